@@ -1,0 +1,34 @@
+# xllm-py: two commands on a fresh machine, `make serve` and `make test`.
+# `setup` creates .venv once; torch is pinned to the local CPU build (2.13.0)
+# when no CUDA is visible, so pip never pulls gigabytes of CUDA wheels here.
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup test serve lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	    $(VPY) -m pip install -q "torch>=2.4"; \
+	else \
+	    $(VPY) -m pip install -q torch==2.13.0; \
+	fi
+	$(VPY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: setup
+	$(VPY) -m pytest tests
+
+serve: setup
+	$(VPY) -m xllm_py serve
+
+lint: setup
+	$(VPY) -m ruff check xllm_py tests perf tools
+
+clean:
+	rm -rf $(VENV) build *.egg-info

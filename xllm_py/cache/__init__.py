@@ -1,0 +1,1 @@
+"""KV cache block management and prefix caching."""

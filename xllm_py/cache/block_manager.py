@@ -1,0 +1,138 @@
+"""Paged KV-cache blocks: allocation, reference counts, prefix caching.
+
+The cache is `num_blocks` blocks of `block_size` token slots each (per layer
+`[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`). A request owns
+an ordered block table; token t lives in slot
+`block_ids[t // block_size] * block_size + t % block_size`.
+
+    request tokens: |<------ computed ------>|<- new ->|<- look-ahead ->|
+    block table:    [ b7 ][ b2 ][ b9 ][ b4  ][ b11   ]
+                     full blocks (hashed)     partial
+
+Prefix caching: a full block of *verified* tokens is registered under a hash
+chained over all tokens up to its end, `h_i = hash((h_{i-1}, tokens_i))`, so
+equal hashes mean equal prefixes. Freed blocks keep their hash and stay
+findable until reused. The free list is LRU: blocks are taken from its front;
+blocks without a hash are put at the front (nothing to lose), hashed ones at
+the back, and a request's blocks are freed tail first so its prefix survives
+longest.
+
+Invariant: every block is either in `_free` (ref_count 0) or owned by at least
+one request (ref_count > 0).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from xllm_py.engine.request import Request
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache has room for {num_blocks} blocks; need at least 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # prefix hash -> block id
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -------------------------------------------------------------------------
+
+    def _update_hashes(self, req: Request) -> None:
+        bs = self.block_size
+        tokens = req.all_token_ids
+        for i in range(len(req.block_hashes), len(tokens) // bs):
+            parent = req.block_hashes[i - 1] if i else 0
+            req.block_hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Leading full blocks of `req` already in the cache. At least one token is left
+        uncomputed, so the step that follows still produces logits to sample from."""
+        if not self.enable_prefix_cache:
+            return []
+        self._update_hashes(req)
+        limit = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for h in req.block_hashes[:limit]:
+            bid = self._cached.get(h)
+            if bid is None:
+                break
+            hits.append(bid)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def cache_full_blocks(self, req: Request, num_verified_tokens: int) -> None:
+        """Register the request's full blocks of verified tokens under their prefix hashes."""
+        if not self.enable_prefix_cache:
+            return
+        self._update_hashes(req)
+        n_full = min(num_verified_tokens // self.block_size, len(req.block_ids))
+        for i in range(req.num_cached_blocks, n_full):
+            bid, h = req.block_ids[i], req.block_hashes[i]
+            if h not in self._cached and self.block_hash[bid] is None:
+                self._cached[h] = bid
+                self.block_hash[bid] = h
+        req.num_cached_blocks = max(req.num_cached_blocks, n_full)
+
+    # ---- allocation ---------------------------------------------------------------------------
+
+    def allocate(
+        self, req: Request, num_new_tokens: int, num_lookahead: int = 0, hits: list[int] = ()
+    ) -> bool:
+        """Grow `req`'s block table to hold computed + hits + new + look-ahead tokens.
+
+        Returns False, changing nothing, if there are not enough free blocks."""
+        total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens + num_lookahead
+        new_blocks = max(self.blocks_needed(total) - len(req.block_ids) - len(hits), 0)
+        revived = sum(1 for b in hits if self.ref_count[b] == 0)  # cached blocks sitting in _free
+        if new_blocks + revived > len(self._free):
+            return False
+        for b in hits:
+            if self.ref_count[b] == 0:
+                del self._free[b]
+            self.ref_count[b] += 1
+            req.block_ids.append(b)
+        if hits:
+            req.num_cached_blocks = len(req.block_ids)
+        for _ in range(new_blocks):
+            req.block_ids.append(self._take_free())
+        return True
+
+    def _take_free(self) -> int:
+        bid, _ = self._free.popitem(last=False)
+        h = self.block_hash[bid]
+        if h is not None:  # evict: the block's old contents are about to be overwritten
+            del self._cached[h]
+            self.block_hash[bid] = None
+        self.ref_count[bid] = 1
+        return bid
+
+    def free(self, req: Request) -> None:
+        """Release every block of `req` (finished, aborted or preempted)."""
+        for bid in reversed(req.block_ids):
+            self.ref_count[bid] -= 1
+            if self.ref_count[bid] == 0:
+                self._free[bid] = None
+                if self.block_hash[bid] is None:
+                    self._free.move_to_end(bid, last=False)
+        req.block_ids = []
+        req.num_cached_blocks = 0

@@ -1,0 +1,363 @@
+"""Configuration, layered as frozen dataclasses.
+
+`ModelConfig` is read from a checkpoint's `config.json`; the others come from
+flags or `LLM(...)` keyword arguments. Each validates itself in
+`__post_init__` and names the offending field in its error; derived values
+are properties.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[str(name).lower()]
+    except KeyError:
+        raise ValueError(f"dtype={name!r} is not supported; use one of {sorted(set(_DTYPES))}") from None
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention-temperature term m(x) = 0.1 * x * ln(factor) + 1 (1 when factor <= 1)."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of the `qk_rope_head_dim` part; YaRN when `factor > 1`."""
+
+    theta: float = 10000.0
+    type: str = "default"  # "default" or "yarn"
+    factor: float = 1.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> RopeConfig:
+        # Older writers use `rope_theta` + `rope_scaling`; newer ones `rope_parameters`.
+        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not supported; use 'yarn'")
+        if rope_type == "default":
+            return cls(theta=theta)
+        orig = params.get("original_max_position_embeddings")
+        if orig is None:
+            raise ValueError("rope_scaling.original_max_position_embeddings is required for yarn")
+        factor = params.get("factor")
+        if factor is None:  # HF's rule: derive it from the context extension
+            factor = cfg["max_position_embeddings"] / orig
+        return cls(
+            theta=theta,
+            type="yarn",
+            factor=float(factor),
+            original_max_position=int(orig),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            mscale=float(params.get("mscale") or 0.0),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+            attention_factor=params.get("attention_factor"),
+            truncate=bool(params.get("truncate", True)),
+        )
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """Factor applied to cos/sin: m(mscale) / m(mscale_all_dim)."""
+        if self.type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor, 1.0)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """Multiplier of the softmax scale: m(mscale_all_dim)^2."""
+        if self.type != "yarn" or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "intermediate_size",
+    "max_position_embeddings",
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a DeepSeek-V3 checkpoint, from its `config.json`."""
+
+    path: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    scoring_func: str
+    topk_method: str
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    num_nextn_predict_layers: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    checkpoint_dtype: str
+    tie_word_embeddings: bool
+    quantization_config: dict | None = None
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"model={str(path)!r}: no config.json in that directory")
+        return cls.from_dict(json.loads(cfg_file.read_text()), str(path))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], path: str = "") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"config.json architectures={archs!r} is not supported; "
+                f"expected one of {list(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in _REQUIRED:
+            if cfg.get(name) is None:
+                raise ValueError(f"config.json is missing the field {name!r}")
+        n_routed = int(cfg.get("n_routed_experts") or 0)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            path=path,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=int(cfg["num_attention_heads"]),
+            q_lora_rank=cfg.get("q_lora_rank"),
+            kv_lora_rank=int(cfg["kv_lora_rank"]),
+            qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+            v_head_dim=int(cfg["v_head_dim"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+            n_routed_experts=n_routed,
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+            n_group=int(cfg.get("n_group") or 1),
+            topk_group=int(cfg.get("topk_group") or 1),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            scoring_func=cfg.get("scoring_func", "sigmoid"),
+            topk_method=cfg.get("topk_method", "noaux_tc"),
+            first_k_dense_replace=int(cfg.get("first_k_dense_replace", 0)),
+            moe_layer_freq=int(cfg.get("moe_layer_freq", 1)),
+            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(cfg),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            quantization_config=cfg.get("quantization_config"),
+            raw=cfg,
+        )
+
+    def __post_init__(self) -> None:
+        if self.first_k_dense_replace < 0:
+            raise ValueError(f"config.json first_k_dense_replace={self.first_k_dense_replace} < 0")
+        if self.q_lora_rank is not None and int(self.q_lora_rank) <= 0:
+            raise ValueError(f"config.json q_lora_rank={self.q_lora_rank} must be null or > 0")
+        if self.num_moe_layers:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name in ("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config.json is missing the field {name!r} (needed for MoE layers)")
+        if self.scoring_func != "sigmoid":
+            raise ValueError(f"config.json scoring_func={self.scoring_func!r}; only 'sigmoid'")
+        if self.topk_method != "noaux_tc":
+            raise ValueError(f"config.json topk_method={self.topk_method!r}; only 'noaux_tc'")
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(
+                f"config.json n_routed_experts={self.n_routed_experts} is not divisible by "
+                f"n_group={self.n_group}"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"config.json topk_group={self.topk_group} not in [1, n_group]")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(
+                f"config.json num_experts_per_tok={self.num_experts_per_tok} > "
+                f"n_routed_experts={self.n_routed_experts}"
+            )
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and i >= self.first_k_dense_replace
+            and i % self.moe_layer_freq == 0
+        )
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Numbers cached per token per layer: the MLA latent plus the roped key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged MLA KV cache: `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` per layer."""
+
+    block_size: int = 128
+    max_memory_utilization: float = 0.9
+    max_cache_size: int = 0  # bytes; 0 = derive from max_memory_utilization
+    enable_prefix_cache: bool = True
+    num_lookahead_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a positive power of two")
+        if not 0 < self.max_memory_utilization <= 1:
+            raise ValueError(
+                f"max_memory_utilization={self.max_memory_utilization} must be in (0, 1]"
+            )
+        if self.max_cache_size < 0:
+            raise ValueError(f"max_cache_size={self.max_cache_size} must be >= 0 (bytes)")
+        if self.num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens={self.num_lookahead_tokens} must be >= 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching budgets."""
+
+    max_tokens_per_batch: int = 8192
+    max_seqs_per_batch: int = 256
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_batch < 1:
+            raise ValueError(f"max_tokens_per_batch={self.max_tokens_per_batch} must be >= 1")
+        if self.max_seqs_per_batch < 1:
+            raise ValueError(f"max_seqs_per_batch={self.max_seqs_per_batch} must be >= 1")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 0")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"
+    dtype: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        kind = self.device.split(":")[0]
+        if kind not in ("cpu", "cuda", "npu"):
+            raise ValueError(f"device={self.device!r} must be cpu, cuda[:N] or npu[:N]")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return parse_dtype(self.dtype)
+        if self.device.startswith("cpu"):
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has AVX512-BF16 or AMX, where bf16 matmuls beat fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len or self.model.max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.scheduler.max_model_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.scheduler.max_model_len} exceeds the model's "
+                f"max_position_embeddings={self.model.max_position_embeddings}"
+            )

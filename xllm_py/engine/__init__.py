@@ -1,0 +1,1 @@
+"""Engine core: requests, scheduler, output processing."""

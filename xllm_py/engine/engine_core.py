@@ -1,0 +1,101 @@
+"""The engine core: validated requests in, per-step outputs out.
+
+    add_request -> Scheduler.schedule() -> Executor.execute() -> Scheduler.update()
+
+It owns the scheduler and block manager and talks to workers only through
+an `Executor`. It knows token ids, never text.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from xllm_py.cache.block_manager import BlockManager
+from xllm_py.config import EngineConfig
+from xllm_py.engine.request import Request
+from xllm_py.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from xllm_py.executor.base import Executor
+from xllm_py.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        if executor is None:
+            from xllm_py.executor.inproc import InProcExecutor
+
+            executor = InProcExecutor(config)
+        self.config = config
+        self.executor = executor
+        num_blocks = executor.determine_num_blocks()
+        bs = config.cache.block_size
+        min_blocks = -(-(config.max_model_len + config.cache.num_lookahead_tokens) // bs)
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget holds {num_blocks} blocks of {bs} tokens; raise "
+                "max_cache_size or max_memory_utilization"
+            )
+        if num_blocks < min_blocks:
+            logger.warning(
+                "KV cache holds %d blocks, fewer than one full-length request needs (%d); "
+                "longer requests will be rejected", num_blocks, min_blocks,
+            )
+        executor.init_cache(num_blocks)
+        self.blocks = BlockManager(num_blocks, bs, config.cache.enable_prefix_cache)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, config.cache.num_lookahead_tokens)
+
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise ValueError naming the field if this request can never be served."""
+        vocab, max_len = self.config.model.vocab_size, self.config.max_model_len
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside [0, vocab_size={vocab})")
+        n = len(prompt_token_ids)
+        if n >= max_len:
+            raise ValueError(
+                f"prompt: {n} tokens leave no room to generate within the model's context "
+                f"of {max_len} tokens"
+            )
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and n > sched.max_tokens_per_batch:
+            raise ValueError(
+                f"prompt: {n} tokens exceed max_tokens_per_batch={sched.max_tokens_per_batch} "
+                "and chunked prefill is off (enable_chunked_prefill)"
+            )
+        longest = min(n + (sampling.max_tokens or max_len), max_len)
+        need = self.blocks.blocks_needed(longest + self.config.cache.num_lookahead_tokens)
+        if need > self.blocks.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt ({n}) + max_tokens need {need} KV blocks but the cache has "
+                f"only {self.blocks.num_blocks}"
+            )
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        self.validate(prompt_token_ids, sampling)
+        req = Request(
+            req_id, prompt_token_ids, sampling, self.config.model.eos_token_ids,
+            self.config.max_model_len,
+        )
+        self.scheduler.add_request(req)
+
+    def finish_request(self, req_id: str, reason: str = "abort") -> None:
+        self.scheduler.finish_request(req_id, reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.num_scheduled_tokens and not sched.finished_req_ids:
+            return []
+        result = self.executor.execute(sched)
+        return self.scheduler.update(sched, result)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

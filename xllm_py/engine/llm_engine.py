@@ -1,0 +1,76 @@
+"""Synchronous engine: text in, RequestOutputs out, one `step()` at a time.
+
+    prompt (text | token ids) --tokenize, validate--> EngineCore.add_request
+    EngineCore.step() -> EngineCoreOutput --detokenize, stop strings--> RequestOutput
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xllm_py.config import EngineConfig
+from xllm_py.engine.engine_core import EngineCore
+from xllm_py.engine.output_processor import RequestState
+from xllm_py.engine.outputs import RequestOutput
+from xllm_py.engine.tokenizer import Tokenizer
+from xllm_py.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer.from_dir(config.model.path)
+        self.core = EngineCore(config)
+        self.states: dict[str, RequestState] = {}
+
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt: expected a string or a dict, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        if self.tokenizer is None:
+            raise ValueError(
+                f"prompt: {self.config.model.path} has no tokenizer.json; pass "
+                "{'prompt_token_ids': [...]} instead of text"
+            )
+        return prompt, self.tokenizer.encode(prompt)
+
+    def add_request(self, req_id: str, prompt: Prompt, sampling: SamplingParams) -> None:
+        text, ids = self.tokenize_prompt(prompt)
+        self.add_tokenized(req_id, text, ids, sampling)
+
+    def add_tokenized(
+        self, req_id: str, text: str | None, ids: list[int], sampling: SamplingParams
+    ) -> None:
+        self.core.add_request(req_id, ids, sampling)
+        self.states[req_id] = RequestState(req_id, text, ids, sampling, self.tokenizer)
+
+    def abort_request(self, req_id: str) -> None:
+        self.core.finish_request(req_id, "abort")
+        self.states.pop(req_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return an output for every request that advanced."""
+        results = []
+        for out in self.core.step():
+            state = self.states.get(out.req_id)
+            if state is None:
+                continue
+            if state.apply(out) and out.finish_reason is None:
+                self.core.finish_request(out.req_id, "stop")
+            result = state.output()
+            if result.finished:
+                del self.states[out.req_id]
+            results.append(result)
+        return results

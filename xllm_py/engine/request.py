@@ -1,0 +1,79 @@
+"""A request's state as the scheduler sees it.
+
+Phase-agnostic: a request is `num_tokens` long (prompt + outputs) of which
+`num_computed_tokens` have their KV in the cache. Prefill, chunked prefill,
+decode and recompute after preemption are all "schedule the difference".
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from xllm_py.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+    ) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling = sampling
+        self.eos_token_ids = () if sampling.ignore_eos else eos_token_ids
+        self.max_output = min(
+            sampling.max_tokens or max_model_len, max_model_len - len(prompt_token_ids)
+        )
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_tokens_sent = 0  # tokens the worker already holds
+        self.num_blocks_sent = 0  # block ids the worker already holds
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of full blocks of all_token_ids
+        self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.arrival_time = time.monotonic()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> bool:
+        """Add one generated token; return True (and set finish_reason) if it ends the request."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        n_out = len(self.output_token_ids)
+        if n_out >= self.sampling.min_tokens:
+            if token_id in self.eos_token_ids:
+                self.finish_reason = "stop"
+                return True
+            if token_id in self.sampling.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", token_id
+                return True
+        if n_out >= self.max_output:
+            self.finish_reason = "length"
+            return True
+        return False

@@ -1,0 +1,212 @@
+"""Continuous batching, phase-agnostic, FCFS.
+
+Each step: every running request asks for `num_tokens - num_computed_tokens`
+tokens (1 when decoding, the rest of the prompt while prefilling), then
+waiting requests are admitted in arrival order while the token budget
+(`max_tokens_per_batch`), the sequence budget (`max_seqs_per_batch`) and free
+blocks allow. A prompt larger than the remaining budget is split over steps
+when chunked prefill is on. When a running request cannot get a block, the
+most recently admitted request is preempted: its blocks are freed and it
+rejoins the front of the queue, to be recomputed (prompt + outputs so far).
+
+    schedule() -> SchedulerOutput --executor--> ModelRunnerOutput -> update()
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from xllm_py.cache.block_manager import BlockManager
+from xllm_py.config import SchedulerConfig
+from xllm_py.engine.request import Request, RequestStatus
+from xllm_py.executor.messages import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0  # total since start
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_tokens: int = 0
+    ) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.num_lookahead = num_lookahead_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._forget: set[str] = set()  # ids the worker must drop at the next step
+        self.num_preemptions = 0
+
+    # ---- request lifecycle --------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def finish_request(self, req_id: str, reason: str = "abort") -> Request | None:
+        """Abort (or stop, e.g. on a stop string) a request wherever it is; frees its blocks."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.finish_reason = req.finish_reason or reason
+        self._release(req)
+        return req
+
+    def _release(self, req: Request) -> None:
+        req.status = RequestStatus.FINISHED
+        self.blocks.free(req)
+        del self.requests[req.req_id]
+        if req.num_tokens_sent:
+            self._forget.add(req.req_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- scheduling ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._forget)
+        self._forget = set()
+        budget = self.config.max_tokens_per_batch
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.blocks.allocate(req, n, self.num_lookahead):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                self._emit_cached(req, n, out)
+                budget -= n
+                i += 1
+        if not preempted:
+            self._admit_waiting(budget, out)
+        return out
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs_per_batch:
+            req = self.waiting[0]
+            hits = self.blocks.find_cached_prefix(req)
+            n = req.num_tokens - len(hits) * self.blocks.block_size
+            if n > budget:
+                # Recomputation after preemption may always be chunked: its length grew while
+                # it ran, so it need not fit the budget its prompt was admitted under.
+                if not (self.config.enable_chunked_prefill or req.num_preemptions):
+                    break
+                n = budget
+            if not self.blocks.allocate(req, n, self.num_lookahead, hits):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = len(hits) * self.blocks.block_size
+            self.running.append(req)
+            out.new_requests.append(
+                NewRequestData(
+                    req.req_id,
+                    list(req.all_token_ids),
+                    req.num_prompt_tokens,
+                    req.sampling,
+                    list(req.block_ids),
+                    req.num_computed_tokens,
+                )
+            )
+            req.num_tokens_sent = req.num_tokens
+            req.num_blocks_sent = len(req.block_ids)
+            out.num_scheduled_tokens[req.req_id] = n
+            budget -= n
+
+    def _emit_cached(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        out.cached_requests.append(
+            CachedRequestData(
+                req.req_id,
+                req.all_token_ids[req.num_tokens_sent :],
+                req.block_ids[req.num_blocks_sent :],
+                req.num_computed_tokens,
+            )
+        )
+        req.num_tokens_sent = req.num_tokens
+        req.num_blocks_sent = len(req.block_ids)
+        out.num_scheduled_tokens[req.req_id] = n
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.blocks.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_tokens_sent = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.finished_req_ids.add(req.req_id)
+
+    # ---- results ------------------------------------------------------------------------------
+
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = []
+        for row, req_id in enumerate(result.req_ids):
+            req = self.requests.get(req_id)
+            if req is None:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += sched.num_scheduled_tokens[req_id]
+            new_tokens: list[int] = []
+            for tok in result.sampled_token_ids[row]:
+                new_tokens.append(tok)
+                if req.append_output(tok):
+                    break
+            self.blocks.cache_full_blocks(req, req.num_computed_tokens)
+            logprobs = result.logprobs[row]
+            if logprobs is not None:
+                logprobs = logprobs[: len(new_tokens)]
+            if req.finish_reason is not None:
+                self.running.remove(req)
+                self._release(req)
+            if new_tokens or req.finish_reason:
+                outputs.append(
+                    EngineCoreOutput(req_id, new_tokens, logprobs, req.finish_reason, req.stop_reason)
+                )
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.blocks.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.blocks.prefix_queries,
+            prefix_cache_hits=self.blocks.prefix_hits,
+        )

@@ -1,0 +1,81 @@
+"""Tokenizer from a checkpoint directory (`tokenizer.json` + `tokenizer_config.json`),
+using HF `tokenizers` directly, plus incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):  # {"content": "<eos>", ...} in some configs
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, tok: _HFTokenizer, config: dict) -> None:
+        self._tok = tok
+        self.config = config
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token_id = self._id(config.get("bos_token"))
+        self.eos_token_id = self._id(config.get("eos_token"))
+        self.add_bos = bool(config.get("add_bos_token", False))
+
+    def _id(self, token) -> int | None:
+        text = _token_text(token)
+        return None if text is None else self._tok.token_to_id(text)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer | None:
+        """The checkpoint's tokenizer, or None when it ships none (prompts must be token ids)."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            return None
+        cfg_file = path / "tokenizer_config.json"
+        config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        return cls(_HFTokenizer.from_file(str(path / "tokenizer.json")), config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token list, emitted as deltas.
+
+    Decodes a short window [prefix_offset, end) and compares it with the
+    window's already-emitted part [prefix_offset, read_offset); a trailing
+    U+FFFD means a multi-byte character is incomplete, so nothing is emitted
+    until the next token completes it. Cost per token is O(window), not O(text).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool) -> None:
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prompt_ids[-6:])  # a little left context for correct spacing
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, new_ids: list[int]) -> str:
+        out = []
+        for tid in new_ids:
+            self.ids.append(tid)
+            prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+            full = self.tok.decode(self.ids[self.prefix_offset :], self.skip)
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                out.append(full[len(prefix) :])
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return "".join(out)

@@ -1,0 +1,54 @@
+"""Typed messages across the executor boundary.
+
+    engine core --SchedulerOutput--> Executor --> worker(s) --ModelRunnerOutput--> engine core
+
+Workers cache each request's tokens and block table; a step carries only what
+changed since the previous one: requests seen for the first time (or again,
+after preemption), tokens appended, blocks added, and ids to forget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xllm_py.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt, plus outputs so far when resumed after preemption
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens already in the cache (prefix-cache hits)
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_token_ids: list[int]  # tokens appended since the worker last saw this request
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens this step
+    finished_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+TokenLogprobs = dict[int, float]  # token id -> logprob; the chosen token first, then the top N
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # [R] every scheduled request, in scheduling order
+    sampled_token_ids: list[list[int]]  # [R][0 or 1]: empty while a prompt is still being prefilled
+    logprobs: list[list[TokenLogprobs] | None]  # [R]: per sampled token, when requested

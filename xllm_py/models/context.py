@@ -1,0 +1,67 @@
+"""The one scoped object through which the runtime reaches attention.
+
+The model's forward takes only `input_ids` and `positions`. Everything about
+the batch's layout in the paged cache lives in a `ForwardContext`, installed
+by the model runner around one forward pass with `forward_context(ctx)`;
+nesting is refused so a stale batch can never leak into another.
+
+Batch layout. The T scheduled tokens of all requests are flattened into one
+row per token. For attention, requests are split into `AttnGroup`s (decode-like
+requests with few query tokens use the absorbed MLA form; prefill chunks use
+the expanded form). Inside a group, B requests are padded to Q query rows and
+L context positions:
+
+    q_index   [B, Q]    row of each query in the flat batch (None: rows are
+                        exactly arange(T).view(B, Q), so no gather/scatter)
+    q_valid   [B, Q]    False on padding rows
+    kv_slots  [B, L]    cache slot of each context position
+                        (block_table[pos // block_size] * block_size + pos % block_size)
+    mask      absorbed: additive [B, Q, 1, L] (0 / -inf); expanded: bool [B, 1, Q, L]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttnGroup:
+    absorbed: bool
+    q_index: torch.Tensor | None  # [B, Q] or None for the identity layout
+    q_valid: torch.Tensor | None  # [B, Q] bool, None when every row is valid
+    kv_slots: torch.Tensor  # [B, L]
+    mask: torch.Tensor  # see module docstring
+    batch: int
+    q_len: int
+
+
+@dataclass
+class ForwardContext:
+    slot_mapping: torch.Tensor  # [T] cache slot written by each new token
+    groups: list[AttnGroup]
+    kv_caches: list[torch.Tensor]  # per layer [num_blocks * block_size, cache_dim]
+
+
+_current: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward_context is already set: nested forward passes are not allowed")
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention called outside forward_context(...)")
+    return _current

@@ -1,0 +1,86 @@
+"""DeepSeek-V3 (and V2 layout) causal LM.
+
+    h_0 = embed(input_ids)
+    for each layer i:
+        h = h + MLA(norm(h))                  # attention over the paged latent cache
+        h = h + (MoE if i >= first_k_dense_replace else MLP)(norm(h))
+    hidden = norm(h)                          # returned: the MTP draft needs it
+    logits = lm_head(hidden[rows to sample])  # only where a token is sampled
+
+Parameter names mirror the checkpoint, so loading is a name-for-name copy;
+`process_weights_after_loading` then fuses and re-lays weights for speed.
+The model knows nothing of requests or blocks: the batch layout arrives
+through `models.context`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xllm_py.config import ModelConfig
+from xllm_py.models.layers.linear import Linear
+from xllm_py.models.layers.mla import MLAttention
+from xllm_py.models.layers.mlp import MLP
+from xllm_py.models.layers.moe import MoE
+from xllm_py.models.layers.norm import RMSNorm
+from xllm_py.models.layers.rope import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, cache_index: int | None = None) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer_idx if cache_index is None else cache_index)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(
+            cfg.hidden_size, cfg.intermediate_size
+        )
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
+            _freeze=True,
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DeepseekV3Model(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
+
+    @property
+    def num_cache_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def process_weights_after_loading(self) -> None:
+        for module in list(self.modules()):
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states after the final norm [T, hidden]."""
+        rope = self.rotary(positions)
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, rope)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_head.weight).float()

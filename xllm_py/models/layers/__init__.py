@@ -1,0 +1,1 @@
+"""Building blocks of the DeepSeek-V3 model: norm, rope, linear, mlp, moe, mla."""

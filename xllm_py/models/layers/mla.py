@@ -1,0 +1,125 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) over a paged latent cache.
+
+Per token and layer the cache holds `c_kv` (kv_lora_rank, after
+kv_a_layernorm) and the roped shared key `k_pe` (qk_rope_head_dim): one row of
+the `[num_slots, kv_lora_rank + qk_rope_head_dim]` cache, whatever the head
+count.
+
+Two equivalent forms (tests check they agree):
+  expanded  K, V = kv_b_proj(c_kv) per head, then ordinary attention; cheaper
+            when many queries share the context (prefill).
+  absorbed  kv_b_proj viewed as [H, nope + v, kv_lora]; its key half W_UK is
+            folded into the query (q_nope @ W_UK is a latent query) and its
+            value half W_UV into the output, so attention runs directly over
+            the cached latents (decode, draft verification).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xllm_py.config import ModelConfig
+from xllm_py.models.context import AttnGroup, get_forward_context
+from xllm_py.models.layers.linear import Linear
+from xllm_py.models.layers.norm import RMSNorm
+from xllm_py.models.layers.rope import apply_rope
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, cache_index: int) -> None:
+        super().__init__()
+        self.cache_index = cache_index  # which layer of the paged cache this attention owns
+        self.num_heads = cfg.num_attention_heads
+        self.q_lora_rank = cfg.q_lora_rank
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.scale = cfg.softmax_scale
+        hidden, heads, qk_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(hidden, heads * qk_dim)
+        else:
+            self.q_a_proj = Linear(hidden, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = Linear(cfg.q_lora_rank, heads * qk_dim)
+        self.kv_a_proj_with_mqa = Linear(hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = Linear(heads * cfg.v_head_dim, hidden)
+
+    def process_weights_after_loading(self) -> None:
+        # Every projection that reads x runs as one matmul: [q (or q_a) | c_kv | k_pe].
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        self.w_in = torch.cat([first.weight, self.kv_a_proj_with_mqa.weight]).contiguous()
+        self.q_in_dim = first.weight.shape[0]
+        if self.q_lora_rank is None:
+            del self.q_proj
+        else:
+            del self.q_a_proj
+        del self.kv_a_proj_with_mqa
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk = w[:, : self.nope_dim, :].contiguous()  # [H, nope, kv_lora]
+        self.w_uv = w[:, self.nope_dim :, :].transpose(1, 2).contiguous()  # [H, kv_lora, v]
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        T = x.shape[0]
+        q, c_kv, k_pe = F.linear(x, self.w_in).split(
+            [self.q_in_dim, self.kv_lora_rank, self.rope_dim], dim=-1
+        )
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.view(T, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        cos, sin = rope
+        q_pe = apply_rope(q_pe, cos, sin)
+        k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin).squeeze(1)
+
+        ctx = get_forward_context()
+        cache = ctx.kv_caches[self.cache_index]
+        cache.index_copy_(0, ctx.slot_mapping, torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1))
+
+        if len(ctx.groups) == 1 and ctx.groups[0].q_index is None:
+            out = self._attend(q_nope, q_pe, cache, ctx.groups[0])
+        else:
+            out = x.new_empty(T, self.num_heads, self.v_dim)
+            for group in ctx.groups:
+                o = self._attend(q_nope[group.q_index], q_pe[group.q_index], cache, group)
+                if group.q_valid is None:
+                    out[group.q_index.view(-1)] = o
+                else:
+                    out[group.q_index[group.q_valid]] = o[group.q_valid.view(-1)]
+        return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
+
+    def _attend(self, q_nope, q_pe, cache, g: AttnGroup) -> torch.Tensor:
+        """q_nope [B*Q (or B, Q), H, nope], q_pe [.., H, rope] -> [B * Q, H, v]."""
+        kv = cache[g.kv_slots]  # [B, L, kv_lora + rope]
+        if g.absorbed:
+            return self._absorbed(q_nope, q_pe, kv, g)
+        return self._expanded(q_nope, q_pe, kv, g)
+
+    def _absorbed(self, q_nope, q_pe, kv, g: AttnGroup) -> torch.Tensor:
+        H, B, Q = self.num_heads, g.batch, g.q_len
+        q_nope = q_nope.reshape(B * Q, H, self.nope_dim)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [BQ, H, kv_lora]
+        q = torch.cat([q_lat, q_pe.reshape(B * Q, H, self.rope_dim)], dim=-1)
+        scores = torch.bmm(q.view(B, Q * H, -1), kv.transpose(1, 2))  # [B, Q*H, L]
+        scores = (scores.view(B, Q, H, -1) * self.scale + g.mask).view(B, Q * H, -1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(kv.dtype)
+        o_lat = torch.bmm(probs, kv[..., : self.kv_lora_rank])  # [B, Q*H, kv_lora]
+        o = torch.bmm(o_lat.view(B * Q, H, -1).transpose(0, 1), self.w_uv)  # [H, BQ, v]
+        return o.transpose(0, 1)
+
+    def _expanded(self, q_nope, q_pe, kv, g: AttnGroup) -> torch.Tensor:
+        H, B, Q = self.num_heads, g.batch, g.q_len
+        L = kv.shape[1]
+        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_nope, v = self.kv_b_proj(c_kv).view(B, L, H, -1).split([self.nope_dim, self.v_dim], -1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, L, H, self.rope_dim)], dim=-1)
+        q = torch.cat([q_nope.reshape(B, Q, H, -1), q_pe.reshape(B, Q, H, -1)], dim=-1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=self.scale
+        )  # [B, H, Q, v]
+        return o.transpose(1, 2).reshape(B * Q, H, self.v_dim)

@@ -1,0 +1,113 @@
+"""DeepSeek-V3 mixture of experts: `noaux_tc` grouped top-k routing, routed
+experts run grouped by expert, plus always-on shared experts.
+
+Routing, in float32 (DESIGN.md section 3):
+    s  = sigmoid(x Wg^T)                  # [T, E] affinity
+    s' = s + e_score_correction_bias      # only used to *choose* experts
+    group score = sum of the top-2 s' per group; keep `topk_group` groups,
+    the rest masked with -inf; pick the top `num_experts_per_tok` of s'.
+    weight = s at the picks (no bias), / sum when norm_topk_prob,
+             * routed_scaling_factor
+Expert execution sorts the T * top_k (token, expert) assignments by expert so
+each active expert runs one matmul over all of its tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xllm_py.config import ModelConfig
+from xllm_py.models.layers.linear import Linear
+from xllm_py.models.layers.mlp import MLP, swiglu
+
+
+class Router(nn.Module):
+    """Checkpoint names: `mlp.gate.weight`, `mlp.gate.e_score_correction_bias`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.n_routed_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        # Routing decisions are made in float32 whatever the run dtype.
+        f32 = torch.float32
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=f32),
+                                   requires_grad=False)
+        self.register_buffer("e_score_correction_bias", torch.empty(cfg.n_routed_experts, dtype=f32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (weights [T, top_k] float32, expert ids [T, top_k])."""
+        scores = F.linear(x.float(), self.weight).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.topk_group < self.n_group:  # with every group kept, masking is a no-op
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+            keep = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+            choice = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view_as(scores)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class Expert(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden_size, intermediate_size)
+        self.up_proj = Linear(hidden_size, intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.n_routed_experts
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts
+            else None
+        )
+        self.w13: torch.Tensor | None = None  # [E, 2 * inter, hidden] after loading
+        self.w2: torch.Tensor | None = None  # [E, hidden, inter]
+
+    def process_weights_after_loading(self) -> None:
+        # The shared experts are processed on their own (the model visits every module).
+        self.w13 = torch.stack(
+            [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts]
+        )
+        self.w2 = torch.stack([e.down_proj.weight for e in self.experts])
+        del self.experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self._routed(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        top_k = ids.shape[1]
+        flat_ids = ids.view(-1)
+        order = flat_ids.argsort()  # assignments grouped by expert
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // top_k  # [T * top_k] source token of each sorted assignment
+        xs = x[token_of]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ys[start : start + n] = swiglu(xs[start : start + n], self.w13[e], self.w2[e])
+                start += n
+        ys = ys * weights.view(-1)[order].unsqueeze(1).to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, ys)

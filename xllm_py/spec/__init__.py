@@ -1,0 +1,1 @@
+"""Speculative decoding with the MTP draft (arrives with the MTP issue)."""

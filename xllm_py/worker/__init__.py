@@ -1,0 +1,1 @@
+"""The worker side: model runner, sampler, cache allocation."""

@@ -1,0 +1,101 @@
+"""Build the per-step attention layout (`models.context`) from block tables.
+
+Input per request, in batch order: where its query rows start in the flat
+batch, how many tokens it schedules (q_len), how long its context is after this
+step (ctx_len = computed + q_len), and its block table. Requests with at most
+`ABSORB_MAX_Q` query tokens (decode, draft verification) form the absorbed
+group; longer ones (prefill chunks) the expanded group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from xllm_py.models.context import AttnGroup
+
+ABSORB_MAX_Q = 8
+
+
+@dataclass
+class RequestLayout:
+    start: int  # first row in the flat batch
+    q_len: int
+    ctx_len: int
+    block_ids: list[int]
+
+
+def slot_mapping(
+    block_table: torch.Tensor, row_req: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Cache slot of each new token: [T]."""
+    return block_table[row_req, positions // block_size] * block_size + positions % block_size
+
+
+def block_table_tensor(reqs: list[RequestLayout], device: torch.device) -> torch.Tensor:
+    width = max(len(r.block_ids) for r in reqs)
+    return torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], device=device)
+
+
+def build_groups(
+    reqs: list[RequestLayout],
+    block_table: torch.Tensor,
+    block_size: int,
+    num_rows: int,
+    dtype: torch.dtype,
+    absorb_max_q: int = ABSORB_MAX_Q,
+) -> list[AttnGroup]:
+    short = [i for i, r in enumerate(reqs) if r.q_len <= absorb_max_q]
+    long = [i for i, r in enumerate(reqs) if r.q_len > absorb_max_q]
+    groups = []
+    for absorbed, idx in ((True, short), (False, long)):
+        if idx:
+            groups.append(_group([reqs[i] for i in idx], block_table[idx], block_size, num_rows,
+                                 absorbed, dtype))
+    return groups
+
+
+def _group(
+    reqs: list[RequestLayout],
+    block_table: torch.Tensor,
+    block_size: int,
+    num_rows: int,
+    absorbed: bool,
+    dtype: torch.dtype,
+) -> AttnGroup:
+    device = block_table.device
+    B = len(reqs)
+    Q = max(r.q_len for r in reqs)
+    L = max(r.ctx_len for r in reqs)
+    q_lens = torch.tensor([r.q_len for r in reqs], device=device)
+    ctx_lens = torch.tensor([r.ctx_len for r in reqs], device=device)
+    ar_q = torch.arange(Q, device=device)
+    identity = B * Q == num_rows and all(r.q_len == Q and r.start == i * Q for i, r in enumerate(reqs))
+    q_valid = ar_q.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, Q]
+    q_pos = torch.where(q_valid, (ctx_lens - q_lens).unsqueeze(1) + ar_q, 0)  # padding rows see key 0
+    key_pos = torch.arange(L, device=device)
+    allowed = key_pos.view(1, 1, L) <= q_pos.unsqueeze(2)  # [B, Q, L] causal within the context
+    width = -(-L // block_size)
+    if block_table.shape[1] < width:
+        block_table = torch.nn.functional.pad(block_table, (0, width - block_table.shape[1]))
+    kv_slots = block_table[:, key_pos // block_size] * block_size + key_pos % block_size
+    if absorbed:
+        mask = torch.zeros(B, Q, 1, L, dtype=dtype, device=device)
+        mask.masked_fill_(~allowed.unsqueeze(2), float("-inf"))
+    else:
+        mask = allowed.unsqueeze(1)
+    all_valid = all(r.q_len == Q for r in reqs)
+    q_index = None
+    if not identity:
+        starts = torch.tensor([r.start for r in reqs], device=device)
+        q_index = torch.where(q_valid, starts.unsqueeze(1) + ar_q, starts.unsqueeze(1))
+    return AttnGroup(
+        absorbed=absorbed,
+        q_index=q_index,
+        q_valid=None if all_valid else q_valid,
+        kv_slots=kv_slots,
+        mask=mask,
+        batch=B,
+        q_len=Q,
+    )

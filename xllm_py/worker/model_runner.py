@@ -1,0 +1,173 @@
+"""Runs one scheduled step on the model: SchedulerOutput -> ModelRunnerOutput.
+
+Keeps a copy of each request's tokens and block table (updated from the
+step's diffs), lays the step's tokens out as one flat batch
+
+    input_ids / positions / slot_mapping  [T]
+    attention groups                      (see models.context)
+    sample rows                           [R'] last row of each request whose
+                                          prompt is complete after this step
+
+runs the model once, computes logits only at the sample rows and samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from xllm_py.executor.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from xllm_py.models.context import ForwardContext, forward_context
+from xllm_py.sampling_params import SamplingParams
+from xllm_py.worker.attention_layout import (
+    RequestLayout,
+    block_table_tensor,
+    build_groups,
+    slot_mapping,
+)
+from xllm_py.worker.sampler import Sampler, SamplingBatch, token_seed
+
+
+@dataclass
+class RunnerRequest:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        eos_token_ids: tuple[int, ...],
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = device
+        self.dtype = dtype
+        self.vocab_size = model.config.vocab_size
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        self.requests: dict[str, RunnerRequest] = {}
+
+    def _apply_diffs(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.new_requests:
+            self.requests[new.req_id] = RunnerRequest(
+                list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids),
+                new.num_computed_tokens,
+            )
+        for diff in sched.cached_requests:
+            req = self.requests[diff.req_id]
+            req.token_ids.extend(diff.new_token_ids)
+            req.block_ids.extend(diff.new_block_ids)
+            req.num_computed_tokens = diff.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_diffs(sched)
+        req_ids = list(sched.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput([], [], [])
+        input_ids: list[int] = []
+        positions: list[int] = []
+        row_req: list[int] = []
+        layouts: list[RequestLayout] = []
+        sample_rows: list[int] = []
+        sampled: list[int] = []  # index into req_ids of each sample row
+        for i, req_id in enumerate(req_ids):
+            req = self.requests[req_id]
+            n, s = sched.num_scheduled_tokens[req_id], req.num_computed_tokens
+            start = len(input_ids)
+            input_ids.extend(req.token_ids[s : s + n])
+            positions.extend(range(s, s + n))
+            row_req.extend([i] * n)
+            layouts.append(RequestLayout(start, n, s + n, req.block_ids))
+            if s + n == len(req.token_ids):
+                sample_rows.append(start + n - 1)
+                sampled.append(i)
+        hidden = self._forward(input_ids, positions, row_req, layouts)
+        if len(sample_rows) == len(input_ids):
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        return self._sample(req_ids, sampled, logits)
+
+    def _forward(self, input_ids, positions, row_req, layouts) -> torch.Tensor:
+        dev = self.device
+        ids = torch.tensor(input_ids, device=dev)
+        pos = torch.tensor(positions, device=dev)
+        table = block_table_tensor(layouts, dev)
+        slots = slot_mapping(table, torch.tensor(row_req, device=dev), pos, self.block_size)
+        groups = build_groups(layouts, table, self.block_size, len(input_ids), self.dtype)
+        with forward_context(ForwardContext(slots, groups, self.kv_caches)):
+            return self.model(ids, pos)
+
+    def _sample(self, req_ids: list[str], sampled: list[int], logits: torch.Tensor) -> ModelRunnerOutput:
+        reqs = [self.requests[req_ids[i]] for i in sampled]
+        batch = self._sampling_batch(reqs)
+        tokens, chosen, top = self.sampler(logits, batch)
+        token_list = tokens.tolist()
+        out_tokens: list[list[int]] = [[] for _ in req_ids]
+        out_logprobs: list[list[TokenLogprobs] | None] = [None] * len(req_ids)
+        chosen_list = chosen.tolist() if chosen is not None else None
+        top_vals, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
+        for row, i in enumerate(sampled):
+            out_tokens[i] = [token_list[row]]
+            n = reqs[row].sampling.logprobs
+            if n is not None:
+                entry = {token_list[row]: chosen_list[row]}
+                for tid, val in zip(top_ids[row][:n], top_vals[row][:n]) if n else ():
+                    entry.setdefault(tid, val)
+                out_logprobs[i] = [entry]
+        return ModelRunnerOutput(req_ids, out_tokens, out_logprobs)
+
+    def _sampling_batch(self, reqs: list[RunnerRequest]) -> SamplingBatch:
+        dev = self.device
+        params = [r.sampling for r in reqs]
+        all_greedy = all(p.greedy for p in params)
+        wants = [p.logprobs for p in params if p.logprobs is not None]
+        banned = []
+        for row, r in enumerate(reqs):
+            if r.num_outputs < r.sampling.min_tokens:
+                ids = ([] if r.sampling.ignore_eos else self.eos_token_ids) + r.sampling.stop_token_ids
+                if ids:
+                    banned.append((row, ids))
+        batch = SamplingBatch(
+            temperature=None, greedy=None, all_greedy=all_greedy, top_k=None, top_p=None,
+            min_p=None, seeds=[], banned=banned, max_logprobs=max(wants) if wants else None,
+        )
+        if all_greedy:
+            return batch
+        batch.greedy = torch.tensor([p.greedy for p in params], device=dev)
+        batch.temperature = torch.tensor(
+            [1.0 if p.greedy else p.temperature for p in params], device=dev
+        )
+        if any(p.top_k > 0 for p in params):
+            batch.top_k = torch.tensor(
+                [p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=dev
+            )
+        if any(p.top_p < 1 for p in params):
+            batch.top_p = torch.tensor([p.top_p for p in params], device=dev)
+        if any(p.min_p > 0 for p in params):
+            batch.min_p = torch.tensor([p.min_p for p in params], device=dev)
+        batch.seeds = [
+            (row, token_seed(r.sampling.seed, r.num_outputs))
+            for row, r in enumerate(reqs)
+            if r.sampling.seed is not None and not r.sampling.greedy
+        ]
+        return batch

@@ -1,0 +1,93 @@
+"""Turn logits into tokens, batched over requests with different parameters.
+
+Order of operations for a row: min_tokens masking (EOS / stop ids -> -inf
+until `min_tokens` outputs exist), then greedy argmax, or temperature, top-k,
+top-p and min-p filtering and a draw. Logprobs are reported from the raw
+model distribution (log_softmax of the unprocessed logits), as vLLM does.
+
+Seeded rows are reproducible whatever else is in the batch: all filtering is
+row-local and done in vocabulary order, and the draw is an exponential race
+(argmax of p / E, E ~ Exp(1)) whose noise comes from a generator seeded by
+(seed, index of the output token), so it does not depend on batch position,
+on earlier steps, or on preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads (seed, token index) pairs over 64-bit seeds
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters of one step, built by the model runner."""
+
+    temperature: torch.Tensor  # [R] float32; 1.0 on greedy rows (unused there)
+    greedy: torch.Tensor  # [R] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [R] long, vocab size where disabled; None: no row uses it
+    top_p: torch.Tensor | None  # [R] float32, 1.0 where disabled
+    min_p: torch.Tensor | None  # [R] float32, 0.0 where disabled
+    seeds: list[tuple[int, int]]  # (row, seed for this token)
+    banned: list[tuple[int, list[int]]]  # (row, token ids masked for min_tokens)
+    max_logprobs: int | None  # largest N requested, None if no row wants logprobs
+
+
+def token_seed(seed: int, output_index: int) -> int:
+    return (seed + (output_index + 1) * _SEED_STRIDE) % (1 << 63)
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """logits [R, V] float32 -> (tokens [R], chosen logprob [R], top (values, ids) [R, N])."""
+        logprobs = None if batch.max_logprobs is None else torch.log_softmax(logits, dim=-1)
+        for row, ids in batch.banned:
+            logits[row, ids] = float("-inf")
+        greedy_tokens = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            tokens = greedy_tokens
+        else:
+            tokens = torch.where(batch.greedy, greedy_tokens, self._sample(logits, batch))
+        if logprobs is None:
+            return tokens, None, None
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top = logprobs.topk(batch.max_logprobs, dim=-1) if batch.max_logprobs else None
+        return tokens, chosen, top
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        logits = logits / batch.temperature.unsqueeze(1)
+        if batch.top_k is not None or batch.top_p is not None:
+            logits = _filter_top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if batch.min_p is not None:
+            floor = probs.amax(dim=-1, keepdim=True) * batch.min_p.unsqueeze(1)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed in batch.seeds:
+            g = torch.Generator(device=probs.device).manual_seed(seed)
+            noise[row].exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _filter_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask (-inf) tokens outside each row's top-k and nucleus; vocabulary order is kept."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
+        drop |= sorted_logits < kth
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= top_p.unsqueeze(1)  # the top token always survives (mass_before 0)
+    return logits.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
