@@ -142,9 +142,8 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
 }
 
-LM_HEAD_GAIN = (
-    6.0  # lm_head std = gain / sqrt(hidden) -> logits ~ N(0, gain^2): peaky distributions
-)
+# lm_head std = gain / sqrt(hidden) -> logits ~ N(0, gain^2): peaky next-token distributions.
+LM_HEAD_GAIN = 6.0
 
 # Weight seed per config, picked out of 0..11 so that on the reference prompts every greedy
 # top1-top2 logit gap (>= 2e-2) and every router group/expert top-k margin (>= 2.9e-4) is far

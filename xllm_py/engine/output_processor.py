@@ -41,6 +41,8 @@ class RequestState:
         if self.detok is None:
             return False
         delta = self.detok.add(out.new_token_ids)
+        if out.finish_reason is not None:
+            delta += self.detok.flush()
         before = len(c.text)
         c.text += delta
         return self._check_stop_strings(before)

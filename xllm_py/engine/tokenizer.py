@@ -79,3 +79,10 @@ class IncrementalDetokenizer:
                 out.append(full[len(prefix) :])
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return "".join(out)
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character) once no token will follow."""
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset :], self.skip)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :]

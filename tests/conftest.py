@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny random DeepSeek-V3 checkpoint written by HF transformers
+(independent of our code), optionally with a small BPE tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.hf_reference import TINY_CONFIGS, make_hf_checkpoint
+
+ENGINE_CONFIG = "noq_yarn_mscale_grouped"  # YaRN, grouped routing, one dense layer
+
+torch.set_num_threads(2)
+
+_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens and "
+    "verifies them in one pass. DeepSeek-V3 uses multi-head latent attention and a mixture of "
+    "experts. Hello world! How are you today? Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12. "
+) * 20
+
+
+def _write_tokenizer(path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<bos>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([_TEXT], trainer)
+    assert tok.get_vocab_size() <= vocab_size
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True})
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Checkpoint with tokenizer; eos_token_id is the tokenizer's <eos> (id 1)."""
+    path = tmp_path_factory.mktemp("tiny_ckpt")
+    make_hf_checkpoint(ENGINE_CONFIG, path)
+    _write_tokenizer(path, TINY_CONFIGS[ENGINE_CONFIG]["vocab_size"])
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eos_token_id"], cfg["bos_token_id"] = 1, 0
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="session")
+def vocab_size():
+    return TINY_CONFIGS[ENGINE_CONFIG]["vocab_size"]
