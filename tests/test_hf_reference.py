@@ -19,15 +19,13 @@ naming the tensor (and, for a wrong shape, both shapes).
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_reference import (  # noqa: E402
+from tests.hf_reference import (
     CHECKPOINT_SEEDS,
     MAX_NEW_TOKENS,
     TINY_CONFIGS,
@@ -36,8 +34,7 @@ from hf_reference import (  # noqa: E402
     make_hf_checkpoint,
     reference_prompts,
 )
-
-from xllm_py import LLM, SamplingParams  # noqa: E402
+from xllm_py import LLM, SamplingParams
 
 LOGPROB_ATOL = 1e-4
 # Same weights, different mmap alignment -> different SIMD code paths (HF itself differs by ~8e-6).
