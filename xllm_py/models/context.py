@@ -14,8 +14,9 @@ L context positions:
     q_index   [B, Q]    row of each query in the flat batch (None: rows are
                         exactly arange(T).view(B, Q), so no gather/scatter)
     q_valid   [B, Q]    False on padding rows
-    kv_slots  [B, L]    cache slot of each context position
-                        (block_table[pos // block_size] * block_size + pos % block_size)
+    kv_blocks [B, L / block_size]  block table rows; the context is gathered a whole
+                        block at a time, so L is a multiple of block_size and
+                        positions past a request's length are masked
     mask      absorbed: additive [B, Q, 1, L] (0 / -inf); expanded: bool [B, 1, Q, L]
 """
 
@@ -33,7 +34,8 @@ class AttnGroup:
     absorbed: bool
     q_index: torch.Tensor | None  # [B, Q] or None for the identity layout
     q_valid: torch.Tensor | None  # [B, Q] bool, None when every row is valid
-    kv_slots: torch.Tensor  # [B, L]
+    kv_blocks: torch.Tensor  # [B, L / block_size]
+    block_size: int
     mask: torch.Tensor  # see module docstring
     batch: int
     q_len: int

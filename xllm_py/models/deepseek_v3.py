@@ -83,4 +83,5 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        logits = F.linear(hidden, self.lm_head.weight)
+        return logits if logits.dtype == torch.float32 else logits.float()

@@ -76,12 +76,11 @@ def _group(
     identity = B * Q == num_rows and all(r.q_len == Q and r.start == i * Q for i, r in enumerate(reqs))
     q_valid = ar_q.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, Q]
     q_pos = torch.where(q_valid, (ctx_lens - q_lens).unsqueeze(1) + ar_q, 0)  # padding rows see key 0
+    width = -(-L // block_size)  # the table is padded to its longest row
+    kv_blocks = block_table[:, :width]  # with block 0, masked like every position past ctx_len
+    L = width * block_size  # whole blocks are gathered; positions past ctx_len are masked
     key_pos = torch.arange(L, device=device)
     allowed = key_pos.view(1, 1, L) <= q_pos.unsqueeze(2)  # [B, Q, L] causal within the context
-    width = -(-L // block_size)
-    if block_table.shape[1] < width:
-        block_table = torch.nn.functional.pad(block_table, (0, width - block_table.shape[1]))
-    kv_slots = block_table[:, key_pos // block_size] * block_size + key_pos % block_size
     if absorbed:
         mask = torch.zeros(B, Q, 1, L, dtype=dtype, device=device)
         mask.masked_fill_(~allowed.unsqueeze(2), float("-inf"))
@@ -96,7 +95,8 @@ def _group(
         absorbed=absorbed,
         q_index=q_index,
         q_valid=None if all_valid else q_valid,
-        kv_slots=kv_slots,
+        kv_blocks=kv_blocks,
+        block_size=block_size,
         mask=mask,
         batch=B,
         q_len=Q,

@@ -22,7 +22,7 @@ from torch import nn
 
 from xllm_py.config import ModelConfig
 from xllm_py.models.context import AttnGroup, get_forward_context
-from xllm_py.models.layers.linear import Linear
+from xllm_py.models.layers.linear import Linear, gemm_layout
 from xllm_py.models.layers.norm import RMSNorm
 from xllm_py.models.layers.rope import apply_rope
 
@@ -53,7 +53,7 @@ class MLAttention(nn.Module):
     def process_weights_after_loading(self) -> None:
         # Every projection that reads x runs as one matmul: [q (or q_a) | c_kv | k_pe].
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
-        self.w_in = torch.cat([first.weight, self.kv_a_proj_with_mqa.weight]).contiguous()
+        self.w_in = gemm_layout(torch.cat([first.weight, self.kv_a_proj_with_mqa.weight]))
         self.q_in_dim = first.weight.shape[0]
         if self.q_lora_rank is None:
             del self.q_proj
@@ -73,9 +73,11 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(T, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        cos, sin = rope
-        q_pe = apply_rope(q_pe, cos, sin)
-        k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin).squeeze(1)
+        # One rotation for the query heads and the shared key together: [T, H + 1, rope].
+        q_pe, k_pe = apply_rope(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), *rope).split(
+            [self.num_heads, 1], dim=1
+        )
+        k_pe = k_pe.squeeze(1)
 
         ctx = get_forward_context()
         cache = ctx.kv_caches[self.cache_index]
@@ -95,7 +97,8 @@ class MLAttention(nn.Module):
 
     def _attend(self, q_nope, q_pe, cache, g: AttnGroup) -> torch.Tensor:
         """q_nope [B*Q (or B, Q), H, nope], q_pe [.., H, rope] -> [B * Q, H, v]."""
-        kv = cache[g.kv_slots]  # [B, L, kv_lora + rope]
+        dim = cache.shape[1]
+        kv = cache.view(-1, g.block_size * dim)[g.kv_blocks].view(g.batch, -1, dim)  # [B, L, dim]
         if g.absorbed:
             return self._absorbed(q_nope, q_pe, kv, g)
         return self._expanded(q_nope, q_pe, kv, g)
@@ -105,9 +108,16 @@ class MLAttention(nn.Module):
         q_nope = q_nope.reshape(B * Q, H, self.nope_dim)
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [BQ, H, kv_lora]
         q = torch.cat([q_lat, q_pe.reshape(B * Q, H, self.rope_dim)], dim=-1)
-        scores = torch.bmm(q.view(B, Q * H, -1), kv.transpose(1, 2))  # [B, Q*H, L]
-        scores = (scores.view(B, Q, H, -1) * self.scale + g.mask).view(B, Q * H, -1)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(kv.dtype)
+        if Q == 1:  # decode: mask [B, 1, 1, L] broadcasts over heads; one fused op
+            scores = torch.baddbmm(g.mask.view(B, 1, -1), q.view(B, H, -1), kv.transpose(1, 2),
+                                   alpha=self.scale)
+        else:
+            scores = torch.bmm(q.view(B, Q * H, -1), kv.transpose(1, 2))  # [B, Q*H, L]
+            scores = (scores.view(B, Q, H, -1) * self.scale + g.mask).view(B, Q * H, -1)
+        if scores.dtype == torch.float32:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(kv.dtype)
         o_lat = torch.bmm(probs, kv[..., : self.kv_lora_rank])  # [B, Q*H, kv_lora]
         o = torch.bmm(o_lat.view(B * Q, H, -1).transpose(0, 1), self.w_uv)  # [H, BQ, v]
         return o.transpose(0, 1)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xllm_py.models.layers.linear import Linear
+from xllm_py.models.layers.linear import Linear, gemm_layout
 
 
 def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -28,7 +28,7 @@ class MLP(nn.Module):
         self.w13: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
-        self.w13 = torch.cat([self.gate_proj.weight, self.up_proj.weight]).contiguous()
+        self.w13 = gemm_layout(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_py.config import ModelConfig
-from xllm_py.models.layers.linear import Linear
+from xllm_py.models.layers.linear import Linear, gemm_layout
 from xllm_py.models.layers.mlp import MLP, swiglu
+
+
+# Up to this many (token, expert) assignments, experts run pair by pair (see _routed_small).
+SMALL_BATCH_ASSIGNMENTS = 8
 
 
 class Router(nn.Module):
@@ -42,7 +46,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, top_k] float32, expert ids [T, top_k])."""
-        scores = F.linear(x.float(), self.weight).sigmoid()
+        scores = F.linear(x if x.dtype == torch.float32 else x.float(), self.weight).sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.topk_group < self.n_group:  # with every group kept, masking is a no-op
             grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
@@ -83,10 +87,10 @@ class MoE(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         # The shared experts are processed on their own (the model visits every module).
-        self.w13 = torch.stack(
-            [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts]
+        self.w13 = gemm_layout(
+            torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
         )
-        self.w2 = torch.stack([e.down_proj.weight for e in self.experts])
+        self.w2 = gemm_layout(torch.stack([e.down_proj.weight for e in self.experts]))
         del self.experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,6 +101,24 @@ class MoE(nn.Module):
         return out
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        weights = weights.to(x.dtype)
+        if ids.numel() <= SMALL_BATCH_ASSIGNMENTS:
+            return self._routed_small(x, weights, ids)
+        return self._routed_grouped(x, weights, ids)
+
+    def _routed_small(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Few tokens (decode at small batch): one expert call per (token, expert) pair
+        costs fewer ops than sorting and scattering."""
+        rows = []
+        for t, experts in enumerate(ids.tolist()):
+            xt, out = x[t : t + 1], None
+            for j, e in enumerate(experts):
+                y = swiglu(xt, self.w13[e], self.w2[e]) * weights[t, j]
+                out = y if out is None else out + y
+            rows.append(out)
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         top_k = ids.shape[1]
         flat_ids = ids.view(-1)
         order = flat_ids.argsort()  # assignments grouped by expert
@@ -109,5 +131,5 @@ class MoE(nn.Module):
             if n:
                 ys[start : start + n] = swiglu(xs[start : start + n], self.w13[e], self.w2[e])
                 start += n
-        ys = ys * weights.view(-1)[order].unsqueeze(1).to(ys.dtype)
+        ys = ys * weights.view(-1)[order].unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, token_of, ys)
