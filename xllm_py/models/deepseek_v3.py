@@ -38,7 +38,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -84,10 +84,13 @@ def _filter_top_k_top_p(
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
-        kth = sorted_logits.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
+        k = top_k.clamp(1, logits.shape[1])  # a top_k beyond the vocabulary keeps everything
+        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
         drop |= sorted_logits < kth
     if top_p is not None:
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= top_p.unsqueeze(1)  # the top token always survives (mass_before 0)
+        # The top token always survives (mass_before 0). Rows at top_p == 1 are left alone:
+        # float32 cumsums reach 1.0 before the tail and would drop tokens there.
+        drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
     return logits.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))

@@ -64,7 +64,7 @@ class MLAttention(nn.Module):
         self.w_uk = w[:, : self.nope_dim, :].contiguous()  # [H, nope, kv_lora]
         self.w_uv = w[:, self.nope_dim :, :].transpose(1, 2).contiguous()  # [H, kv_lora, v]
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         q, c_kv, k_pe = F.linear(x, self.w_in).split(
             [self.q_in_dim, self.kv_lora_rank, self.rope_dim], dim=-1
@@ -74,7 +74,7 @@ class MLAttention(nn.Module):
         q = q.view(T, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         # One rotation for the query heads and the shared key together: [T, H + 1, rope].
-        q_pe, k_pe = apply_rope(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), *rope).split(
+        q_pe, k_pe = apply_rope(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), rope).split(
             [self.num_heads, 1], dim=1
         )
         k_pe = k_pe.squeeze(1)

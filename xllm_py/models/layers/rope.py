@@ -1,9 +1,9 @@
 """Rotary position embedding for the `qk_rope_head_dim` slice, with YaRN.
 
 DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ... each by one
-frequency. `apply_rope` returns the rotated pairs de-interleaved
-([all first elements | all second elements]); since queries and keys get the
-same permutation, q.k is unchanged and the cached keys stay consistent.
+frequency: viewed as complex numbers x0 + i x1, the rotation is one complex
+multiply by cis(position * freq), which is how `apply_rope` does it (one
+kernel instead of seven).
 
 YaRN (when `factor > 1`): inverse frequencies blend interpolation (divided by
 `factor`) and extrapolation with a linear ramp between the dimensions given by
@@ -51,16 +51,20 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(rope, dim)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = t[:, None] * inv_freq[None, :]  # [max_positions, dim / 2]
-        scale, dtype = rope.cos_sin_scale, torch.get_default_dtype()  # computed in fp32, stored in run dtype
-        self.register_buffer("cos", (freqs.cos() * scale).to(dtype), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * scale).to(dtype), persistent=False)
+        scale = rope.cos_sin_scale
+        cis = torch.polar(torch.full_like(freqs, scale), freqs)  # scale * (cos + i sin)
+        self.register_buffer("cis", cis, persistent=False)  # complex64 [max_positions, dim / 2]
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for each position: two `[T, 1, dim / 2]` tensors (1 broadcasts over heads)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """cis for each position: `[T, 1, dim / 2]` complex (1 broadcasts over heads)."""
+        return self.cis[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x `[T, heads, dim]`; output de-interleaved, same shape."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rope(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x `[T, heads, dim]` (any float dtype); same shape and layout.
+
+    The product is taken in float32 (complex64) whatever the run dtype."""
+    T, H, D = x.shape
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = torch.view_as_real(torch.view_as_complex(xf.reshape(T, H, D // 2, 2)) * cis).view(T, H, D)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
