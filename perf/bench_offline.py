@@ -31,15 +31,39 @@ sys.path.insert(0, str(ROOT))
 # The DESIGN.md probe shape: 4 layers, hidden 256, 8 routed experts (~7.6M parameters).
 DEFAULT_CONFIG = dict(
     architectures=["DeepseekV3ForCausalLM"],
-    vocab_size=8192, hidden_size=256, intermediate_size=768, moe_intermediate_size=256,
-    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128,
-    kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
-    n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-    first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-    max_position_embeddings=2048, num_nextn_predict_layers=0, tie_word_embeddings=False,
-    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                         original_max_position_embeddings=512, beta_fast=32, beta_slow=1,
-                         mscale=1.0, mscale_all_dim=1.0),
+    vocab_size=8192,
+    hidden_size=256,
+    intermediate_size=768,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    qk_rope_head_dim=32,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    max_position_embeddings=2048,
+    num_nextn_predict_layers=0,
+    tie_word_embeddings=False,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=512,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
 )
 
 
@@ -75,7 +99,9 @@ def bench_ours(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dt
     llm = LLM(model=str(model_dir), dtype=dtype, block_size=128, max_seqs_per_batch=max(batch, 1))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     vocab = llm.engine.config.model.vocab_size
-    llm.generate([{"prompt_token_ids": p} for p in prompts_for(batch, prompt_len, vocab)], params)  # warm-up
+    llm.generate(
+        [{"prompt_token_ids": p} for p in prompts_for(batch, prompt_len, vocab)], params
+    )  # warm-up
     engine = llm.engine
     for i, p in enumerate(prompts_for(batch, prompt_len, vocab)):
         engine.add_request(f"b{i}", {"prompt_token_ids": p}, params)
@@ -88,8 +114,13 @@ def bench_ours(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dt
         steps += 1
     t2 = time.perf_counter()
     decoded = batch * (new_tokens - 1)
-    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_tokens": decoded,
-            "decode_tok_s": decoded / (t2 - t1), "decode_steps": steps}
+    return {
+        "prefill_s": t1 - t0,
+        "decode_s": t2 - t1,
+        "decode_tokens": decoded,
+        "decode_tok_s": decoded / (t2 - t1),
+        "decode_steps": steps,
+    }
 
 
 def bench_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtype: str) -> dict:
@@ -103,25 +134,44 @@ def bench_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtyp
     def gen(n: int) -> float:
         t = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         return time.perf_counter() - t
 
     gen(4)  # warm-up
     prefill = gen(1)
     total = gen(new_tokens)
     decoded = batch * (new_tokens - 1)
-    return {"prefill_s": prefill, "decode_s": total - prefill, "decode_tokens": decoded,
-            "decode_tok_s": decoded / (total - prefill)}
+    return {
+        "prefill_s": prefill,
+        "decode_s": total - prefill,
+        "decode_tokens": decoded,
+        "decode_tok_s": decoded / (total - prefill),
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="checkpoint dir (default: build the DESIGN.md probe shape)")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32], help="concurrent sequences")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model", type=Path, help="checkpoint dir (default: build the DESIGN.md probe shape)"
+    )
+    ap.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 32], help="concurrent sequences"
+    )
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sequence")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="run dtype (both sides)")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="run dtype (both sides)"
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch threads (both sides)")
     ap.add_argument("--output", type=Path, default=ROOT / "perf/results/bench_offline.json")
     args = ap.parse_args()
@@ -137,16 +187,25 @@ def main() -> None:
         hf = bench_hf(model_dir, b, args.prompt_len, args.new_tokens, args.dtype)
         ratio = ours["decode_tok_s"] / hf["decode_tok_s"]
         rows.append({"batch": b, "xllm_py": ours, "hf_transformers": hf, "speedup": ratio})
-        print(f"batch {b:>3}: xllm-py {ours['decode_tok_s']:8.1f} tok/s   "
-              f"HF generate {hf['decode_tok_s']:8.1f} tok/s   ratio {ratio:5.2f}x", flush=True)
+        print(
+            f"batch {b:>3}: xllm-py {ours['decode_tok_s']:8.1f} tok/s   "
+            f"HF generate {hf['decode_tok_s']:8.1f} tok/s   ratio {ratio:5.2f}x",
+            flush=True,
+        )
     result = {
         "benchmark": "offline decode throughput, greedy, EOS ignored",
         "command": " ".join(["python"] + sys.argv),
         "model": str(args.model or "default tiny DeepSeek-V3 (DEFAULT_CONFIG)"),
         "config": DEFAULT_CONFIG if args.model is None else None,
-        "dtype": args.dtype, "threads": args.threads, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "torch": torch.__version__,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads()},
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "torch": torch.__version__,
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": torch.get_num_threads(),
+        },
         "results": rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

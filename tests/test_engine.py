@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from xllm_py import LLM, SamplingParams
 from tests.hf_reference import random_prompts
+from xllm_py import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

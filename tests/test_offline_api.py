@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from xllm_py import LLM, SamplingParams
 from tests.hf_reference import random_prompts
+from xllm_py import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,9 @@ def test_one_bad_prompt_queues_nothing(llm, prompts):
 
 def test_text_prompt_roundtrip_and_stop_string(llm):
     tok = llm.get_tokenizer()
-    out = llm.generate("The quick brown fox", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    out = llm.generate(
+        "The quick brown fox", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    )[0]
     c = out.outputs[0]
     assert out.prompt_token_ids[0] == tok.bos_token_id
     assert c.text == tok.decode(c.token_ids)
@@ -73,7 +75,8 @@ def test_text_prompt_roundtrip_and_stop_string(llm):
     stop = c.text[len(c.text) // 2 :][:3]
     assert stop.strip(), c.text
     cut = llm.generate(
-        "The quick brown fox", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop])
+        "The quick brown fox",
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]),
     )[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == c.text[: c.text.find(stop)]
@@ -85,12 +88,17 @@ def test_stop_token_ids_and_min_tokens(llm, prompts):
     toks = greedy[0].outputs[0].token_ids
     target = toks[5]
     first = toks.index(target)
-    out = llm.generate(prompts[1], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[target]))
+    out = llm.generate(
+        prompts[1], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[target])
+    )
     c = out[0].outputs[0]
-    assert c.token_ids == toks[: first + 1] and c.finish_reason == "stop" and c.stop_reason == target
+    assert (
+        c.token_ids == toks[: first + 1] and c.finish_reason == "stop" and c.stop_reason == target
+    )
     # min_tokens bans the stop token until enough tokens exist
     out = llm.generate(
-        prompts[1], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[target], min_tokens=first + 2)
+        prompts[1],
+        SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[target], min_tokens=first + 2),
     )
     c = out[0].outputs[0]
     assert target not in c.token_ids[: first + 2]
@@ -126,12 +134,16 @@ def test_seed_is_reproducible_whatever_the_batch(llm, prompts):
 
 def test_top_k_1_is_greedy(llm, prompts):
     greedy = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-    topk1 = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=1.3, top_k=1, ignore_eos=True))
+    topk1 = llm.generate(
+        prompts, SamplingParams(max_tokens=10, temperature=1.3, top_k=1, ignore_eos=True)
+    )
     assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in topk1]
 
 
 def test_logprobs_top_n(llm, prompts):
-    out = llm.generate(prompts[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3))
+    out = llm.generate(
+        prompts[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3)
+    )
     c = out[0].outputs[0]
     assert len(c.logprobs) == 5
     for tok, lp in zip(c.token_ids, c.logprobs):

@@ -25,8 +25,13 @@ def main(argv: list[str] | None = None) -> int:
         description="Serve a DeepSeek-V3-family model with MTP speculative decoding (not yet: "
         "the REST daemon is the next milestone; this command only reports that).",
     )
-    parser.add_argument("command", nargs="?", default="serve", choices=["serve"],
-                        help="what to run (only 'serve', which is not implemented yet)")
+    parser.add_argument(
+        "command",
+        nargs="?",
+        default="serve",
+        choices=["serve"],
+        help="what to run (only 'serve', which is not implemented yet)",
+    )
     parser.parse_args(argv)
     print(NOT_YET, file=sys.stderr)
     return 2

@@ -36,7 +36,9 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     try:
         return _DTYPES[str(name).lower()]
     except KeyError:
-        raise ValueError(f"dtype={name!r} is not supported; use one of {sorted(set(_DTYPES))}") from None
+        raise ValueError(
+            f"dtype={name!r} is not supported; use one of {sorted(set(_DTYPES))}"
+        ) from None
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -98,7 +100,9 @@ class RopeConfig:
         if self.attention_factor is not None:
             return float(self.attention_factor)
         if self.mscale and self.mscale_all_dim:
-            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
         return yarn_mscale(self.factor, 1.0)
 
     @property
@@ -230,7 +234,9 @@ class ModelConfig:
     def _check_moe(self) -> None:
         for name in ("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"config.json is missing the field {name!r} (needed for MoE layers)")
+                raise ValueError(
+                    f"config.json is missing the field {name!r} (needed for MoE layers)"
+                )
         if self.scoring_func != "sigmoid":
             raise ValueError(f"config.json scoring_func={self.scoring_func!r}; only 'sigmoid'")
         if self.topk_method != "noaux_tc":

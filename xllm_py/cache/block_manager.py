@@ -101,7 +101,9 @@ class BlockManager:
         """Grow `req`'s block table to hold computed + hits + new + look-ahead tokens.
 
         Returns False, changing nothing, if there are not enough free blocks."""
-        total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens + num_lookahead
+        total = (
+            req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens + num_lookahead
+        )
         new_blocks = max(self.blocks_needed(total) - len(req.block_ids) - len(hits), 0)
         revived = sum(1 for b in hits if self.ref_count[b] == 0)  # cached blocks sitting in _free
         if new_blocks + revived > len(self._free):

@@ -39,7 +39,9 @@ class EngineCore:
         if num_blocks < min_blocks:
             logger.warning(
                 "KV cache holds %d blocks, fewer than one full-length request needs (%d); "
-                "longer requests will be rejected", num_blocks, min_blocks,
+                "longer requests will be rejected",
+                num_blocks,
+                min_blocks,
             )
         executor.init_cache(num_blocks)
         self.blocks = BlockManager(num_blocks, bs, config.cache.enable_prefix_cache)
@@ -52,7 +54,9 @@ class EngineCore:
             raise ValueError("prompt: must not be empty")
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside [0, vocab_size={vocab})")
+            raise ValueError(
+                f"prompt_token_ids: token id {bad[0]} is outside [0, vocab_size={vocab})"
+            )
         n = len(prompt_token_ids)
         if n >= max_len:
             raise ValueError(
@@ -73,10 +77,15 @@ class EngineCore:
                 f"only {self.blocks.num_blocks}"
             )
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+    def add_request(
+        self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> None:
         self.validate(prompt_token_ids, sampling)
         req = Request(
-            req_id, prompt_token_ids, sampling, self.config.model.eos_token_ids,
+            req_id,
+            prompt_token_ids,
+            sampling,
+            self.config.model.eos_token_ids,
             self.config.max_model_len,
         )
         self.scheduler.add_request(req)

@@ -1,7 +1,7 @@
 """Synchronous engine: text in, RequestOutputs out, one `step()` at a time.
 
-    prompt (text | token ids) --tokenize, validate--> EngineCore.add_request
-    EngineCore.step() -> EngineCoreOutput --detokenize, stop strings--> RequestOutput
+prompt (text | token ids) --tokenize, validate--> EngineCore.add_request
+EngineCore.step() -> EngineCoreOutput --detokenize, stop strings--> RequestOutput
 """
 
 from __future__ import annotations

@@ -15,7 +15,11 @@ from xllm_py.sampling_params import SamplingParams
 
 class RequestState:
     def __init__(
-        self, req_id: str, prompt: str | None, prompt_ids: list[int], sampling: SamplingParams,
+        self,
+        req_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
         tokenizer: Tokenizer | None,
     ) -> None:
         self.req_id = req_id
@@ -27,9 +31,7 @@ class RequestState:
             if tokenizer is not None
             else None
         )
-        self.completion = CompletionOutput(
-            0, "", [], [] if sampling.logprobs is not None else None
-        )
+        self.completion = CompletionOutput(0, "", [], [] if sampling.logprobs is not None else None)
 
     def apply(self, out: EngineCoreOutput) -> bool:
         """Fold one step's output in; True if a stop string ended the request here."""
@@ -61,12 +63,17 @@ class RequestState:
         if best is None:
             return False
         idx, s = best
-        c.text = c.text[: idx + len(s)] if self.sampling.include_stop_str_in_output else c.text[:idx]
+        c.text = (
+            c.text[: idx + len(s)] if self.sampling.include_stop_str_in_output else c.text[:idx]
+        )
         c.finish_reason, c.stop_reason = "stop", s
         return True
 
     def output(self) -> RequestOutput:
         return RequestOutput(
-            self.req_id, self.prompt, self.prompt_ids, [self.completion],
+            self.req_id,
+            self.prompt,
+            self.prompt_ids,
+            [self.completion],
             finished=self.completion.finish_reason is not None,
         )

@@ -197,7 +197,9 @@ class Scheduler:
                 self._release(req)
             if new_tokens or req.finish_reason:
                 outputs.append(
-                    EngineCoreOutput(req_id, new_tokens, logprobs, req.finish_reason, req.stop_reason)
+                    EngineCoreOutput(
+                        req_id, new_tokens, logprobs, req.finish_reason, req.stop_reason
+                    )
                 )
         return outputs
 

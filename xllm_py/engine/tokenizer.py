@@ -62,7 +62,9 @@ class IncrementalDetokenizer:
     until the next token completes it. Cost per token is O(window), not O(text).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool
+    ) -> None:
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.ids = list(prompt_ids[-6:])  # a little left context for correct spacing

@@ -1,9 +1,9 @@
 """Offline batch inference, mirroring vLLM's `LLM`:
 
-    from xllm_py import LLM, SamplingParams
-    llm = LLM(model="path/to/checkpoint", device="cpu", dtype="float32")
-    outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
-    outs[0].outputs[0].text, outs[0].outputs[0].token_ids
+from xllm_py import LLM, SamplingParams
+llm = LLM(model="path/to/checkpoint", device="cpu", dtype="float32")
+outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
+outs[0].outputs[0].text, outs[0].outputs[0].token_ids
 """
 
 from __future__ import annotations

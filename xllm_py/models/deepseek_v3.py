@@ -32,8 +32,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, cache_index: int | None = None) -> None:
         super().__init__()
         self.self_attn = MLAttention(cfg, layer_idx if cache_index is None else cache_index)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(
-            cfg.hidden_size, cfg.intermediate_size
+        self.mlp = (
+            MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -47,7 +47,9 @@ class DeepseekV3Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
+            cfg.vocab_size,
+            cfg.hidden_size,
+            _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
             _freeze=True,
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))

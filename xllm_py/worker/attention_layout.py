@@ -35,7 +35,9 @@ def slot_mapping(
 
 def block_table_tensor(reqs: list[RequestLayout], device: torch.device) -> torch.Tensor:
     width = max(len(r.block_ids) for r in reqs)
-    return torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], device=device)
+    return torch.tensor(
+        [r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], device=device
+    )
 
 
 def build_groups(
@@ -53,8 +55,11 @@ def build_groups(
     groups = []
     for absorbed, idx in ((True, short), (False, long)):
         if idx:
-            groups.append(_group([reqs[i] for i in idx], block_table[idx], block_size, num_rows,
-                                 absorbed, dtype))
+            groups.append(
+                _group(
+                    [reqs[i] for i in idx], block_table[idx], block_size, num_rows, absorbed, dtype
+                )
+            )
     return groups
 
 
@@ -73,9 +78,13 @@ def _group(
     q_lens = torch.tensor([r.q_len for r in reqs], device=device)
     ctx_lens = torch.tensor([r.ctx_len for r in reqs], device=device)
     ar_q = torch.arange(Q, device=device)
-    identity = B * Q == num_rows and all(r.q_len == Q and r.start == i * Q for i, r in enumerate(reqs))
+    identity = B * Q == num_rows and all(
+        r.q_len == Q and r.start == i * Q for i, r in enumerate(reqs)
+    )
     q_valid = ar_q.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, Q]
-    q_pos = torch.where(q_valid, (ctx_lens - q_lens).unsqueeze(1) + ar_q, 0)  # padding rows see key 0
+    q_pos = torch.where(
+        q_valid, (ctx_lens - q_lens).unsqueeze(1) + ar_q, 0
+    )  # padding rows see key 0
     width = -(-L // block_size)  # the table is padded to its longest row
     kv_blocks = block_table[:, :width]  # with block 0, masked like every position past ctx_len
     L = width * block_size  # whole blocks are gathered; positions past ctx_len are masked

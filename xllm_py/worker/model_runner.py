@@ -68,7 +68,10 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         for new in sched.new_requests:
             self.requests[new.req_id] = RunnerRequest(
-                list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids),
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.sampling,
+                list(new.block_ids),
                 new.num_computed_tokens,
             )
         for diff in sched.cached_requests:
@@ -104,7 +107,9 @@ class ModelRunner:
         if len(sample_rows) == len(input_ids):
             logits = self.model.compute_logits(hidden)
         else:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            logits = self.model.compute_logits(
+                hidden[torch.tensor(sample_rows, device=self.device)]
+            )
         return self._sample(req_ids, sampled, logits)
 
     def _forward(self, input_ids, positions, row_req, layouts) -> torch.Tensor:
@@ -117,7 +122,9 @@ class ModelRunner:
         with forward_context(ForwardContext(slots, groups, self.kv_caches)):
             return self.model(ids, pos)
 
-    def _sample(self, req_ids: list[str], sampled: list[int], logits: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(
+        self, req_ids: list[str], sampled: list[int], logits: torch.Tensor
+    ) -> ModelRunnerOutput:
         reqs = [self.requests[req_ids[i]] for i in sampled]
         batch = self._sampling_batch(reqs)
         tokens, chosen, top = self.sampler(logits, batch)
@@ -125,7 +132,9 @@ class ModelRunner:
         out_tokens: list[list[int]] = [[] for _ in req_ids]
         out_logprobs: list[list[TokenLogprobs] | None] = [None] * len(req_ids)
         chosen_list = chosen.tolist() if chosen is not None else None
-        top_vals, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
+        top_vals, top_ids = (
+            (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
+        )
         for row, i in enumerate(sampled):
             out_tokens[i] = [token_list[row]]
             n = reqs[row].sampling.logprobs
@@ -144,12 +153,21 @@ class ModelRunner:
         banned = []
         for row, r in enumerate(reqs):
             if r.num_outputs < r.sampling.min_tokens:
-                ids = ([] if r.sampling.ignore_eos else self.eos_token_ids) + r.sampling.stop_token_ids
+                ids = (
+                    [] if r.sampling.ignore_eos else self.eos_token_ids
+                ) + r.sampling.stop_token_ids
                 if ids:
                     banned.append((row, ids))
         batch = SamplingBatch(
-            temperature=None, greedy=None, all_greedy=all_greedy, top_k=None, top_p=None,
-            min_p=None, seeds=[], banned=banned, max_logprobs=max(wants) if wants else None,
+            temperature=None,
+            greedy=None,
+            all_greedy=all_greedy,
+            top_k=None,
+            top_p=None,
+            min_p=None,
+            seeds=[],
+            banned=banned,
+            max_logprobs=max(wants) if wants else None,
         )
         if all_greedy:
             return batch

@@ -35,7 +35,8 @@ def load_target_model(config: EngineConfig, device: torch.device, dtype: torch.d
     if mcfg.quantization_config:
         method = mcfg.quantization_config.get("quant_method")
         raise NotImplementedError(
-            f"quantization_config.quant_method={method!r}: quantized checkpoints are not supported yet"
+            f"quantization_config.quant_method={method!r}: quantized checkpoints are not "
+            "supported yet"
         )
     with default_dtype(dtype), torch.device(device):
         model = DeepseekV3ForCausalLM(mcfg)
@@ -88,7 +89,9 @@ class Worker:
             budget = int(available_memory(self.device) * cache.max_memory_utilization)
         num = budget // self.bytes_per_block
         if self.device.type == "cpu" and not cache.max_cache_size:
-            per_seq = -(-(self.config.max_model_len + cache.num_lookahead_tokens) // cache.block_size)
+            per_seq = -(
+                -(self.config.max_model_len + cache.num_lookahead_tokens) // cache.block_size
+            )
             num = min(num, self.config.scheduler.max_seqs_per_batch * per_seq)
         return int(num)
 
@@ -102,11 +105,18 @@ class Worker:
         ]
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB)",
-            num_blocks, self.config.cache.block_size, num_blocks * self.bytes_per_block / 2**20,
+            num_blocks,
+            self.config.cache.block_size,
+            num_blocks * self.bytes_per_block / 2**20,
         )
         self.runner = ModelRunner(
-            self.model, caches, self.config.cache.block_size, self.config.model.eos_token_ids,
-            self.device, self.dtype, seed,
+            self.model,
+            caches,
+            self.config.cache.block_size,
+            self.config.model.eos_token_ids,
+            self.device,
+            self.dtype,
+            seed,
         )
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -60,7 +60,9 @@ class MLAttention(nn.Module):
         else:
             del self.q_a_proj
         del self.kv_a_proj_with_mqa
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(
+            self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank
+        )
         self.w_uk = w[:, : self.nope_dim, :].contiguous()  # [H, nope, kv_lora]
         self.w_uv = w[:, self.nope_dim :, :].transpose(1, 2).contiguous()  # [H, kv_lora, v]
 
@@ -109,8 +111,9 @@ class MLAttention(nn.Module):
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [BQ, H, kv_lora]
         q = torch.cat([q_lat, q_pe.reshape(B * Q, H, self.rope_dim)], dim=-1)
         if Q == 1:  # decode: mask [B, 1, 1, L] broadcasts over heads; one fused op
-            scores = torch.baddbmm(g.mask.view(B, 1, -1), q.view(B, H, -1), kv.transpose(1, 2),
-                                   alpha=self.scale)
+            scores = torch.baddbmm(
+                g.mask.view(B, 1, -1), q.view(B, H, -1), kv.transpose(1, 2), alpha=self.scale
+            )
         else:
             scores = torch.bmm(q.view(B, Q * H, -1), kv.transpose(1, 2))  # [B, Q*H, L]
             scores = (scores.view(B, Q, H, -1) * self.scale + g.mask).view(B, Q * H, -1)
@@ -130,6 +133,10 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, L, H, self.rope_dim)], dim=-1)
         q = torch.cat([q_nope.reshape(B, Q, H, -1), q_pe.reshape(B, Q, H, -1)], dim=-1)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=self.scale
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=g.mask,
+            scale=self.scale,
         )  # [B, H, Q, v]
         return o.transpose(1, 2).reshape(B * Q, H, self.v_dim)

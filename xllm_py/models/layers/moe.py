@@ -22,7 +22,6 @@ from xllm_py.config import ModelConfig
 from xllm_py.models.layers.linear import Linear, gemm_layout
 from xllm_py.models.layers.mlp import MLP, swiglu
 
-
 # Up to this many (token, expert) assignments, experts run pair by pair (see _routed_small).
 SMALL_BATCH_ASSIGNMENTS = 8
 
@@ -40,9 +39,12 @@ class Router(nn.Module):
         self.scaling = cfg.routed_scaling_factor
         # Routing decisions are made in float32 whatever the run dtype.
         f32 = torch.float32
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=f32),
-                                   requires_grad=False)
-        self.register_buffer("e_score_correction_bias", torch.empty(cfg.n_routed_experts, dtype=f32))
+        self.weight = nn.Parameter(
+            torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=f32), requires_grad=False
+        )
+        self.register_buffer(
+            "e_score_correction_bias", torch.empty(cfg.n_routed_experts, dtype=f32)
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, top_k] float32, expert ids [T, top_k])."""
@@ -106,7 +108,9 @@ class MoE(nn.Module):
             return self._routed_small(x, weights, ids)
         return self._routed_grouped(x, weights, ids)
 
-    def _routed_small(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _routed_small(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
         """Few tokens (decode at small batch): one expert call per (token, expert) pair
         costs fewer ops than sorting and scattering."""
         rows = []
@@ -118,7 +122,9 @@ class MoE(nn.Module):
             rows.append(out)
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
-    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _routed_grouped(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
         top_k = ids.shape[1]
         flat_ids = ids.view(-1)
         order = flat_ids.argsort()  # assignments grouped by expert
