@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_py.config import ModelConfig
-from xllm_py.models.layers.linear import Linear, gemm_layout
+from xllm_py.models.layers.linear import gemm_layout
 from xllm_py.models.layers.mlp import MLP, swiglu
 
 # Up to this many (token, expert) assignments, experts run pair by pair (see _routed_small).
@@ -63,21 +63,13 @@ class Router(nn.Module):
         return weights * self.scaling, ids
 
 
-class Expert(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size)
-        self.up_proj = Linear(hidden_size, intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
-
-
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_experts = cfg.n_routed_experts
         self.gate = Router(cfg)
         self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
         )
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
@@ -88,7 +80,8 @@ class MoE(nn.Module):
         self.w2: torch.Tensor | None = None  # [E, hidden, inter]
 
     def process_weights_after_loading(self) -> None:
-        # The shared experts are processed on their own (the model visits every module).
+        # Runs before the model visits children: the per-expert modules are gone by then.
+        # The shared experts are processed on their own.
         self.w13 = gemm_layout(
             torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
         )
