@@ -161,3 +161,32 @@ def test_checkpoint_without_tokenizer_needs_token_ids(tmp_path, tiny_model_dir, 
     assert len(out[0].outputs[0].token_ids) >= 1 and out[0].outputs[0].text == ""
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate("hello", SamplingParams(max_tokens=3))
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    free = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    text = llm.generate("Hello world", free)[0].outputs[0].text
+    stop = text[:2]  # appears right at the start of the output
+    assert stop.strip(), text
+    early = llm.generate("Hello world", SamplingParams(max_tokens=16, temperature=0, stop=[stop]))
+    assert early[0].outputs[0].finish_reason == "stop"
+    late = llm.generate(
+        "Hello world", SamplingParams(max_tokens=16, temperature=0, stop=[stop], min_tokens=16)
+    )[0].outputs[0]
+    assert len(late.token_ids) == 16 and late.finish_reason == "length"
+
+
+def test_bfloat16_runs_the_same_model(tiny_model_dir, prompts):
+    """dtype="auto" means bf16 on CPUs with native bf16; it must compute the same model
+    up to rounding: the first greedy token agrees with float32 for most prompts and the
+    log-probabilities of float32's choices stay close."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=5)
+    f32 = LLM(model=str(tiny_model_dir), dtype="float32", block_size=16).generate(prompts, params)
+    bf16 = LLM(model=str(tiny_model_dir), dtype="bfloat16", block_size=16).generate(prompts, params)
+    agree = sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(f32, bf16))
+    assert agree >= len(prompts) - 1
+    for a, b in zip(f32, bf16):
+        first_a, first_b = a.outputs[0], b.outputs[0]
+        tok = first_a.token_ids[0]
+        if tok in first_b.logprobs[0]:
+            assert first_b.logprobs[0][tok] == pytest.approx(first_a.logprobs[0][tok], abs=0.15)

@@ -51,7 +51,7 @@ class RequestState:
 
     def _check_stop_strings(self, scan_from: int) -> bool:
         c, stops = self.completion, self.sampling.stop
-        if not stops:
+        if not stops or len(c.token_ids) < self.sampling.min_tokens:  # like EOS: not before
             return False
         longest = max(len(s) for s in stops)
         start = max(scan_from - longest + 1, 0)

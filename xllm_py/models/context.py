@@ -35,7 +35,6 @@ class AttnGroup:
     q_index: torch.Tensor | None  # [B, Q] or None for the identity layout
     q_valid: torch.Tensor | None  # [B, Q] bool, None when every row is valid
     kv_blocks: torch.Tensor  # [B, L / block_size]
-    block_size: int
     mask: torch.Tensor  # see module docstring
     batch: int
     q_len: int
@@ -45,7 +44,7 @@ class AttnGroup:
 class ForwardContext:
     slot_mapping: torch.Tensor  # [T] cache slot written by each new token
     groups: list[AttnGroup]
-    kv_caches: list[torch.Tensor]  # per layer [num_blocks * block_size, cache_dim]
+    kv_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_lora_rank + rope_dim]
 
 
 _current: ForwardContext | None = None

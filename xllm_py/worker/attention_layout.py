@@ -105,7 +105,6 @@ def _group(
         q_index=q_index,
         q_valid=None if all_valid else q_valid,
         kv_blocks=kv_blocks,
-        block_size=block_size,
         mask=mask,
         batch=B,
         q_len=Q,

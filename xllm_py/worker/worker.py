@@ -96,11 +96,10 @@ class Worker:
         return int(num)
 
     def init_cache(self, num_blocks: int, seed: int = 0) -> None:
-        rows = num_blocks * self.config.cache.block_size
-        dim = self.config.model.kv_cache_dim
+        shape = (num_blocks, self.config.cache.block_size, self.config.model.kv_cache_dim)
         # Zeroed: padded context positions are masked, but 0 * NaN would still poison the output.
         caches = [
-            torch.zeros(rows, dim, dtype=self.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(self.model.num_cache_layers)
         ]
         logger.info(

@@ -82,8 +82,9 @@ class MLAttention(nn.Module):
         k_pe = k_pe.squeeze(1)
 
         ctx = get_forward_context()
-        cache = ctx.kv_caches[self.cache_index]
-        cache.index_copy_(0, ctx.slot_mapping, torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1))
+        cache = ctx.kv_caches[self.cache_index]  # [num_blocks, block_size, kv_lora + rope]
+        new = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+        cache.view(-1, cache.shape[-1]).index_copy_(0, ctx.slot_mapping, new)
 
         if len(ctx.groups) == 1 and ctx.groups[0].q_index is None:
             out = self._attend(q_nope, q_pe, cache, ctx.groups[0])
@@ -99,8 +100,8 @@ class MLAttention(nn.Module):
 
     def _attend(self, q_nope, q_pe, cache, g: AttnGroup) -> torch.Tensor:
         """q_nope [B*Q (or B, Q), H, nope], q_pe [.., H, rope] -> [B * Q, H, v]."""
-        dim = cache.shape[1]
-        kv = cache.view(-1, g.block_size * dim)[g.kv_blocks].view(g.batch, -1, dim)  # [B, L, dim]
+        num_blocks, block_size, dim = cache.shape
+        kv = cache.view(num_blocks, -1)[g.kv_blocks].view(g.batch, -1, dim)  # [B, L, dim]
         if g.absorbed:
             return self._absorbed(q_nope, q_pe, kv, g)
         return self._expanded(q_nope, q_pe, kv, g)
