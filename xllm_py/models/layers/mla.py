@@ -101,7 +101,9 @@ class MLAttention(nn.Module):
     def _attend(self, q_nope, q_pe, cache, g: AttnGroup) -> torch.Tensor:
         """q_nope [B*Q (or B, Q), H, nope], q_pe [.., H, rope] -> [B * Q, H, v]."""
         num_blocks, block_size, dim = cache.shape
-        kv = cache.view(num_blocks, -1)[g.kv_blocks].view(g.batch, -1, dim)  # [B, L, dim]
+        # index_select copies whole rows (one block each); [] indexing goes element by element.
+        kv = cache.view(num_blocks, -1).index_select(0, g.kv_blocks.reshape(-1))
+        kv = kv.view(g.batch, -1, dim)  # [B, L, dim]
         if g.absorbed:
             return self._absorbed(q_nope, q_pe, kv, g)
         return self._expanded(q_nope, q_pe, kv, g)
