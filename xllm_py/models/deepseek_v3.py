@@ -71,7 +71,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.config.num_hidden_layers
 
     def process_weights_after_loading(self) -> None:
-        _process_tree(self)
+        process_tree(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states after the final norm [T, hidden]."""
@@ -87,10 +87,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         return logits if logits.dtype == torch.float32 else logits.float()
 
 
-def _process_tree(module: nn.Module) -> None:
+def process_tree(module: nn.Module) -> None:
     """Parents first, then whatever children they kept: a parent that fuses its children's
     weights deletes them, and deleted modules are not visited."""
     for child in list(module.children()):
         if hasattr(child, "process_weights_after_loading"):
             child.process_weights_after_loading()
-        _process_tree(child)
+        process_tree(child)

@@ -13,8 +13,15 @@ import torch
 
 from xllm_py.config import EngineConfig
 from xllm_py.executor.messages import ModelRunnerOutput, SchedulerOutput
+from xllm_py.models.deepseek_mtp import (
+    DeepseekV3MTP,
+    check_shared_copy,
+    draft_name_map,
+    read_draft_config,
+)
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
-from xllm_py.weights.loader import layer_index, load_weights
+from xllm_py.weights.fp8 import Fp8Config
+from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
 from xllm_py.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -32,23 +39,49 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def load_target_model(config: EngineConfig, device: torch.device, dtype: torch.dtype):
     mcfg = config.model
-    if mcfg.quantization_config:
-        method = mcfg.quantization_config.get("quant_method")
-        raise NotImplementedError(
-            f"quantization_config.quant_method={method!r}: quantized checkpoints are not "
-            "supported yet"
-        )
+    ckpt = Checkpoint(mcfg.path, Fp8Config.from_quantization_config(mcfg.quantization_config))
     with default_dtype(dtype), torch.device(device):
         model = DeepseekV3ForCausalLM(mcfg)
     n = mcfg.num_hidden_layers
 
-    def is_mtp(name: str) -> bool:  # MTP layers (index >= num_hidden_layers) belong to the draft
+    def target_only(name: str) -> str | None:  # layers >= num_hidden_layers are the MTP draft's
         i = layer_index(name)
-        return i is not None and i >= n
+        return None if i is not None and i >= n else name
 
-    load_weights(model, mcfg.path, skip=is_mtp)
+    load_weights(model, ckpt, target_only)
     model.process_weights_after_loading()
     return model.eval()
+
+
+def load_draft_model(
+    config: EngineConfig,
+    target: DeepseekV3ForCausalLM,
+    draft_path: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> DeepseekV3MTP:
+    """The MTP draft from an exported directory, or (draft_path None) from the target's own
+    checkpoint. Its copies of the embedding and head are checked equal to the target's and
+    dropped: the draft uses the target's in memory."""
+    mcfg = config.model
+    if draft_path:
+        num_mtp = read_draft_config(draft_path, mcfg)
+        ckpt = Checkpoint(draft_path)
+    else:
+        num_mtp = mcfg.num_nextn_predict_layers
+        ckpt = Checkpoint(mcfg.path, Fp8Config.from_quantization_config(mcfg.quantization_config))
+    with default_dtype(dtype), torch.device(device):
+        draft = DeepseekV3MTP(mcfg, target, num_mtp)
+    mapping = draft_name_map(ckpt.names, mcfg.num_hidden_layers, num_mtp, exported=bool(draft_path))
+    load_weights(
+        draft, ckpt, lambda name: None if isinstance(mapping[name], tuple) else mapping[name]
+    )
+    target_state = target.state_dict()
+    shared = [n for n, m in mapping.items() if isinstance(m, tuple)]
+    for name, tensor in ckpt.tensors(shared, desc="checking shared tensors"):
+        check_shared_copy(name, tensor, target_state[mapping[name][1]])
+    draft.process_weights_after_loading()
+    return draft.eval()
 
 
 def available_memory(device: torch.device) -> int:

@@ -1,0 +1,155 @@
+"""DeepSeek-V3's Multi-Token-Prediction (MTP) layers, as a draft model.
+
+Each MTP layer j is an ordinary decoder layer (the target's own class: MLA +
+MoE) with three extra pieces in front and one behind:
+
+    x = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)])     # [hidden, 2*hidden]
+    x = decoder_block(x)                                   # own slice of the paged cache
+    logits = lm_head(shared_head.norm(x))                  # predicts t_{i+2}
+
+`embed` and `lm_head` are the target's, shared in memory: checkpoints carry
+copies (`embed_tokens`, `shared_head.head`), which the loader checks are equal
+to the target's and then drops.
+
+Checkpoint layouts (`draft_name_map`):
+  in the target checkpoint  model.layers.{N + j}.{block | enorm | hnorm | eh_proj | shared_head.*}
+  exported (tools/export_deepseek_mtp.py)
+                            model.layers.{j}.{block},
+                            model.{enorm | hnorm | eh_proj | shared_head.*}
+                            (with several MTP layers: model.layers.{j}.{enorm | ...})
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from xllm_py.config import ModelConfig
+from xllm_py.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, process_tree
+from xllm_py.models.layers.linear import Linear
+from xllm_py.models.layers.norm import RMSNorm
+
+DRAFT_ARCHITECTURE = "DeepseekV3MtpForCausalLM"
+MTP_OWN = ("enorm", "hnorm", "eh_proj", "shared_head.norm")  # per-layer tensors outside the block
+SHARED_COPIES = ("embed_tokens", "shared_head.head")  # equal to the target's; dropped
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    def __init__(self, cfg: ModelConfig, j: int) -> None:
+        n = cfg.num_hidden_layers
+        super().__init__(cfg, layer_idx=n + j, cache_index=n + j)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)
+        self.shared_head = SharedHead(cfg)
+
+
+class DeepseekV3MTP(nn.Module):
+    """The draft: `num_mtp_layers` MTP layers on top of a loaded target model."""
+
+    def __init__(
+        self, cfg: ModelConfig, target: DeepseekV3ForCausalLM, num_mtp_layers: int
+    ) -> None:
+        super().__init__()
+        if num_mtp_layers < 1:
+            raise ValueError(
+                f"{cfg.path}: num_nextn_predict_layers={num_mtp_layers}: the checkpoint has no MTP "
+                "layer to draft with"
+            )
+        self.config = cfg
+        self.layers = nn.ModuleList(MTPLayer(cfg, j) for j in range(num_mtp_layers))
+        # Shared with the target, deliberately not registered (not part of this model's state).
+        self._target = [target]
+
+    @property
+    def target(self) -> DeepseekV3ForCausalLM:
+        return self._target[0]
+
+    def process_weights_after_loading(self) -> None:
+        process_tree(self)
+
+
+def draft_name_map(names: list[str], num_hidden_layers: int, num_mtp: int, exported: bool):
+    """Checkpoint name -> (draft parameter name | None to skip | ("shared", target name))."""
+    layer = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+    top = re.compile(
+        r"^model\.(enorm|hnorm|eh_proj|shared_head\.norm|shared_head\.head|embed_tokens)\.(.+)$"
+    )
+    out: dict[str, object] = {}
+    for name in names:
+        m = layer.match(name)
+        if m:
+            i, rest = int(m.group(1)), m.group(2)
+            j = i if exported else i - num_hidden_layers
+            if not 0 <= j < num_mtp:
+                out[name] = None  # a target layer (in the target checkpoint)
+            else:
+                out[name] = _map_rest(rest, j)
+            continue
+        m = top.match(name)
+        if exported and m and num_mtp == 1:
+            out[name] = _map_rest(f"{m.group(1)}.{m.group(2)}", 0)
+        elif exported and name == "model.embed_tokens.weight":
+            out[name] = ("shared", "model.embed_tokens.weight")
+        else:
+            out[name] = None if not exported else name  # unexpected in an exported draft
+    return out
+
+
+def _map_rest(rest: str, j: int):
+    if rest.startswith("embed_tokens."):
+        return ("shared", "model.embed_tokens.weight")
+    if rest.startswith("shared_head.head."):
+        return ("shared", "lm_head.weight")
+    return f"layers.{j}.{rest}"
+
+
+def read_draft_config(path: str | Path, target: ModelConfig) -> int:
+    """Check an exported draft's config.json against the target; return its MTP layer count."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"draft_model={str(path)!r}: no config.json in that directory")
+    cfg = json.loads(cfg_file.read_text())
+    archs = cfg.get("architectures") or []
+    if DRAFT_ARCHITECTURE not in archs:
+        raise ValueError(
+            f"draft_model={str(path)!r}: architectures={archs!r}; "
+            f"expected [{DRAFT_ARCHITECTURE!r}] "
+            "(made by tools/export_deepseek_mtp.py)"
+        )
+    for field in (
+        "hidden_size",
+        "vocab_size",
+        "num_attention_heads",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+    ):
+        if cfg.get(field) != target.raw.get(field):
+            raise ValueError(
+                f"draft_model={str(path)!r}: {field}={cfg.get(field)} but the target has "
+                f"{target.raw.get(field)}"
+            )
+    return int(cfg["num_hidden_layers"])
+
+
+def check_shared_copy(name: str, stored: torch.Tensor, target_tensor: torch.Tensor) -> None:
+    if tuple(stored.shape) != tuple(target_tensor.shape) or not torch.equal(
+        stored.to(target_tensor.dtype), target_tensor
+    ):
+        raise ValueError(
+            f"draft tensor {name!r} should be a copy of the target's {tuple(target_tensor.shape)} "
+            "tensor but differs from it"
+        )

