@@ -146,10 +146,15 @@ def read_draft_config(path: str | Path, target: ModelConfig) -> int:
 
 
 def check_shared_copy(name: str, stored: torch.Tensor, target_tensor: torch.Tensor) -> None:
-    if tuple(stored.shape) != tuple(target_tensor.shape) or not torch.equal(
-        stored.to(target_tensor.dtype), target_tensor
-    ):
+    """The draft's copy must equal the target's tensor, compared at the coarser of the two
+    dtypes (an exported bf16 copy of a float32 target compares as bf16)."""
+    if tuple(stored.shape) != tuple(target_tensor.shape):
         raise ValueError(
-            f"draft tensor {name!r} should be a copy of the target's {tuple(target_tensor.shape)} "
-            "tensor but differs from it"
+            f"draft tensor {name!r} has shape {tuple(stored.shape)} but the target's copy has "
+            f"{tuple(target_tensor.shape)}"
+        )
+    coarse = min(stored.dtype, target_tensor.dtype, key=lambda d: torch.finfo(d).eps * -1)
+    if not torch.equal(stored.to(coarse), target_tensor.to(coarse)):
+        raise ValueError(
+            f"draft tensor {name!r} should be a copy of the target's tensor but differs from it"
         )

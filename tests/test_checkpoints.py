@@ -1,0 +1,258 @@
+"""Checkpoints as operators handle them: FP8 block-quantised and sharded targets,
+tools/export_deepseek_mtp.py, and loading the MTP draft from either layout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tools.make_random_checkpoint import make_random_checkpoint
+from xllm_py import LLM, SamplingParams
+from xllm_py.weights.fp8 import Fp8Config, dequantize, quantize
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPORT = ROOT / "tools" / "export_deepseek_mtp.py"
+BLOCK = (32, 32)  # the random checkpoint's dims (80, 144, 48, ...) leave partial edge blocks
+
+
+def reference_dequant(q: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
+    """Block by block, written independently of xllm_py.weights.fp8."""
+    out = torch.empty(q.shape)
+    for bi in range(scale_inv.shape[0]):
+        for bj in range(scale_inv.shape[1]):
+            rows = slice(bi * block[0], (bi + 1) * block[0])
+            cols = slice(bj * block[1], (bj + 1) * block[1])
+            out[rows, cols] = q[rows, cols].float() * scale_inv[bi, bj]
+    return out
+
+
+def all_tensors(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory) -> Path:
+    return make_random_checkpoint(tmp_path_factory.mktemp("fp8"), fp8_block=BLOCK, shards=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(fp8_ckpt, tmp_path_factory) -> Path:
+    """The same weights, dequantised independently and saved in float32, no quantization_config."""
+    out = tmp_path_factory.mktemp("fp8_dequantised")
+    stored = all_tensors(fp8_ckpt)
+    plain = {}
+    for name, t in stored.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            plain[name] = reference_dequant(t, stored[name + "_scale_inv"], BLOCK)
+        else:
+            plain[name] = t.float()
+    save_file(plain, str(out / "model.safetensors"))
+    cfg = json.loads((fp8_ckpt / "config.json").read_text())
+    del cfg["quantization_config"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_dequantize_handles_partial_edge_blocks():
+    w = torch.randn(70, 45)
+    q, scale_inv = quantize(w, BLOCK)
+    assert q.dtype == torch.float8_e4m3fn and scale_inv.shape == (3, 2)
+    got = dequantize(q, scale_inv, BLOCK, torch.float32)
+    assert torch.equal(got, reference_dequant(q, scale_inv, BLOCK))
+    assert (got - w).abs().max() < 0.1 * w.abs().max()  # e4m3 keeps ~2 significant digits
+
+
+def test_bad_scale_shape_and_unknown_quant_method_are_clear_errors():
+    q, scale_inv = quantize(torch.randn(64, 64), BLOCK)
+    with pytest.raises(ValueError, match="weight_scale_inv has shape"):
+        dequantize(q, scale_inv[:1], BLOCK, torch.float32)
+    with pytest.raises(ValueError, match="quant_method='awq'"):
+        Fp8Config.from_quantization_config({"quant_method": "awq"})
+
+
+def test_fp8_sharded_checkpoint_matches_its_dequantised_float32_copy(fp8_ckpt, fp32_reference):
+    index = json.loads((fp8_ckpt / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 11, 3], list(range(20, 57)), [7] * 9)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+    a = LLM(model=str(fp8_ckpt), dtype="float32", block_size=16).generate(prompts, params)
+    b = LLM(model=str(fp32_reference), dtype="float32", block_size=16).generate(prompts, params)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, x.outputs[0].token_ids):
+            assert lx[t] == pytest.approx(ly[t], abs=1e-5)
+
+
+def run_export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(EXPORT), *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def exported(fp8_ckpt, tmp_path_factory) -> Path:
+    (fp8_ckpt / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
+    out = tmp_path_factory.mktemp("export") / "mtp"
+    r = run_export("--input-dir", str(fp8_ckpt), "--output-dir", str(out), "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stdout
+    return out
+
+
+def test_export_layout_names_shapes_dtypes_and_values(fp8_ckpt, fp32_reference, exported):
+    cfg_in = json.loads((fp8_ckpt / "config.json").read_text())
+    cfg = json.loads((exported / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["first_k_dense_replace"] == 0
+    assert cfg["architectures"] == ["DeepseekV3MtpForCausalLM"]
+    assert cfg["model_type"] == "deepseek_v3_mtp" and "quantization_config" not in cfg
+    assert cfg["hidden_size"] == cfg_in["hidden_size"]
+    assert (exported / "tokenizer_config.json").read_text() == '{"eos_token": "<eos>"}'
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    out = all_tensors(exported)
+    assert set(index["weight_map"]) == set(out)
+    n = cfg_in["num_hidden_layers"]
+    originals = all_tensors(fp32_reference)
+    expected = {}
+    for name, t in originals.items():
+        if name.startswith(f"model.layers.{n}."):
+            rest = name[len(f"model.layers.{n}.") :]
+            top = rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+            expected["model." + rest if top else f"model.layers.0.{rest}"] = t
+    assert set(out) == set(expected)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in out and "model.enorm.weight" in out
+    for name, t in out.items():
+        assert t.dtype == torch.float32, name
+        assert t.shape == expected[name].shape, name
+        assert torch.equal(t, expected[name]), name
+    assert not any(k.endswith("_scale_inv") for k in out)
+
+
+def test_engine_loads_exported_draft_same_as_in_checkpoint_draft(fp8_ckpt, exported):
+    from xllm_py.worker.worker import load_draft_model
+
+    llm = LLM(model=str(fp8_ckpt), dtype="float32", block_size=16)
+    w = llm.engine.core.executor.worker
+    inside = load_draft_model(w.config, w.model, None, w.device, w.dtype)
+    outside = load_draft_model(w.config, w.model, str(exported), w.device, w.dtype)
+    a, b = inside.layers[0], outside.layers[0]
+    for x, y in [
+        (a.self_attn.w_in, b.self_attn.w_in),
+        (a.mlp.w13, b.mlp.w13),
+        (a.mlp.w2, b.mlp.w2),
+        (a.eh_proj.weight, b.eh_proj.weight),
+        (a.enorm.scale, b.enorm.scale),
+        (a.shared_head.norm.scale, b.shared_head.norm.scale),
+    ]:
+        assert torch.equal(x, y)
+    assert inside.target is w.model  # embedding and head are the target's own tensors
+    assert not any("embed" in n or "head.head" in n for n in dict(outside.named_parameters()))
+
+
+def test_draft_with_a_head_copy_that_differs_is_refused(fp8_ckpt, exported, tmp_path):
+    from xllm_py.worker.worker import load_draft_model
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in exported.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    shard = next(bad.glob("*.safetensors"))
+    t = load_file(str(shard))
+    t["model.shared_head.head.weight"] = t["model.shared_head.head.weight"] + 1
+    save_file(t, str(shard))
+    llm = LLM(model=str(fp8_ckpt), dtype="float32", block_size=16)
+    w = llm.engine.core.executor.worker
+    with pytest.raises(ValueError, match="shared_head.head"):
+        load_draft_model(w.config, w.model, str(bad), w.device, w.dtype)
+
+
+def test_export_with_two_mtp_layers(tmp_path):
+    src = make_random_checkpoint(tmp_path / "two", num_mtp=2, seed=5)
+    out = tmp_path / "two-mtp"
+    r = run_export("--input-dir", str(src), "--output-dir", str(out), "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    names = set(all_tensors(out))
+    assert {
+        "model.layers.1.enorm.weight",
+        "model.layers.0.eh_proj.weight",
+        "model.embed_tokens.weight",
+    } <= names
+    from xllm_py.worker.worker import load_draft_model
+
+    llm = LLM(model=str(src), dtype="float32", block_size=16)
+    w = llm.engine.core.executor.worker
+    draft = load_draft_model(w.config, w.model, str(out), w.device, w.dtype)
+    assert len(draft.layers) == 2
+
+
+def _assert_clean_failure(r: subprocess.CompletedProcess, out: Path, pattern: str) -> None:
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and pattern in lines[0], r.stderr
+    assert not out.exists()
+    assert not any(p.name.startswith(f".{out.name}.") for p in out.parent.iterdir())
+
+
+def test_export_bad_inputs_fail_cleanly(tmp_path, fp8_ckpt):
+    out = tmp_path / "out"
+    _assert_clean_failure(
+        run_export("--input-dir", str(tmp_path / "nope"), "--output-dir", str(out)),
+        out,
+        "no such directory",
+    )
+    no_mtp = make_random_checkpoint(tmp_path / "nomtp", num_mtp=0)
+    _assert_clean_failure(
+        run_export("--input-dir", str(no_mtp), "--output-dir", str(out)), out, "no MTP layer"
+    )
+    # a truncated shard
+    trunc = tmp_path / "trunc"
+    trunc.mkdir()
+    for f in fp8_ckpt.iterdir():
+        (trunc / f.name).write_bytes(f.read_bytes())
+    shard = sorted(trunc.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    _assert_clean_failure(
+        run_export("--input-dir", str(trunc), "--output-dir", str(out)), out, shard.name
+    )
+    # an index naming a file that is not there
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    for f in fp8_ckpt.iterdir():
+        (missing / f.name).write_bytes(f.read_bytes())
+    sorted(missing.glob("*.safetensors"))[0].unlink()
+    _assert_clean_failure(
+        run_export("--input-dir", str(missing), "--output-dir", str(out)), out, "does not exist"
+    )
+
+
+def test_export_refuses_to_overwrite_without_force(tmp_path, fp8_ckpt):
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    r = run_export("--input-dir", str(fp8_ckpt), "--output-dir", str(out))
+    assert r.returncode != 0 and "--force" in r.stderr
+    assert (out / "keep.txt").read_text() == "mine"
+    r = run_export("--input-dir", str(fp8_ckpt), "--output-dir", str(out), "--force")
+    assert r.returncode == 0, r.stderr
+    assert not (out / "keep.txt").exists()
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        assert f.get_tensor("model.enorm.weight").dtype == torch.bfloat16  # the default --dtype
+
+
+def test_checkpoint_without_mtp_layer_cannot_give_a_draft(tmp_path):
+    from xllm_py.worker.worker import load_draft_model
+
+    src = make_random_checkpoint(tmp_path / "nomtp", num_mtp=0)
+    llm = LLM(model=str(src), dtype="float32", block_size=16)
+    w = llm.engine.core.executor.worker
+    with pytest.raises(ValueError, match="no MTP layer"):
+        load_draft_model(w.config, w.model, None, w.device, w.dtype)
