@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from xllm_py.assets import bundled_model
 from xllm_py.config import (
     CacheConfig,
     DeviceConfig,
@@ -28,7 +29,7 @@ from xllm_py.sampling_params import SamplingParams
 class LLM:
     def __init__(
         self,
-        model: str,
+        model: str | None = None,
         device: str = "cpu",
         dtype: str = "auto",
         block_size: int = 128,
@@ -41,8 +42,7 @@ class LLM:
         max_model_len: int = 0,
         seed: int = 0,
     ) -> None:
-        if not model:
-            raise ValueError("model: a checkpoint directory is required")
+        model = model or bundled_model()
         config = EngineConfig(
             model=ModelConfig.from_pretrained(model),
             cache=CacheConfig(
