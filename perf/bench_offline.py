@@ -7,7 +7,8 @@ only tokens after the first: prefill time is measured separately and left
 out (for HF: time(generate N) - time(generate 1)). Both sides run in one
 process, side by side, so the ratio is measured under the same conditions.
 
-    python perf/bench_offline.py                      # builds the default tiny model
+    python perf/bench_offline.py                      # the bundled model
+    python perf/bench_offline.py --random-model       # DESIGN.md's 4-layer probe shape, random
     python perf/bench_offline.py --model DIR --batch-sizes 1 32 --new-tokens 128
 
 Writes perf/results/bench_offline.json (override with --output).
@@ -178,9 +179,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tmp = None
     model_dir = args.model
-    if model_dir is None:
+    if args.random_model:
         tmp = tempfile.TemporaryDirectory()
         model_dir = build_default_model(Path(tmp.name))
+    elif model_dir is None:
+        from xllm_py.assets import bundled_model
+
+        model_dir = Path(bundled_model())
     rows = []
     for b in args.batch_sizes:
         ours = bench_ours(model_dir, b, args.prompt_len, args.new_tokens, args.dtype)
@@ -195,8 +200,8 @@ def main() -> None:
     result = {
         "benchmark": "offline decode throughput, greedy, EOS ignored",
         "command": " ".join(["python"] + sys.argv),
-        "model": str(args.model or "default tiny DeepSeek-V3 (DEFAULT_CONFIG)"),
-        "config": DEFAULT_CONFIG if args.model is None else None,
+        "model": "random, DEFAULT_CONFIG" if args.random_model else str(model_dir),
+        "config": DEFAULT_CONFIG if args.random_model else None,
         "dtype": args.dtype,
         "threads": args.threads,
         "prompt_len": args.prompt_len,
