@@ -35,7 +35,9 @@ def llm():
 
 def test_bundled_checkpoint_layout():
     cfg = json.loads((BUNDLED_MODEL_DIR / "config.json").read_text())
-    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
+    assert (
+        cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
+    )
     assert cfg["first_k_dense_replace"] >= 1 and cfg["n_group"] > 1 and cfg["n_shared_experts"] >= 1
     assert cfg["rope_parameters"]["rope_type"] == "yarn"
     index = json.loads((BUNDLED_MODEL_DIR / "model.safetensors.index.json").read_text())
@@ -62,14 +64,22 @@ def test_greedy_matches_hf_on_held_out_sharegpt(llm):
     for out in ours:
         ids = torch.tensor([out.prompt_token_ids])
         with torch.inference_mode():
-            g = hf.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
+            g = hf.generate(
+                ids,
+                max_new_tokens=32,
+                min_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         assert g[0, ids.shape[1] :].tolist() == out.outputs[0].token_ids
 
 
 def test_chat_reply_is_text_and_stops_at_eos(llm):
     tok = llm.get_tokenizer()
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
     assert prompt.startswith("<|bos|><|user|>\n") and prompt.endswith("<|assistant|>\n")
     out = llm.generate(prompt, SamplingParams(max_tokens=200, temperature=0))[0].outputs[0]
     words = [w for w in out.text.split() if w.isalpha()]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -321,6 +321,22 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """MTP speculative decoding: k draft tokens per step from the model's MTP layer(s)."""
+
+    num_speculative_tokens: int = 0  # 0 = off
+    draft_model: str | None = None  # exported MTP directory; None = read from the target
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens} must be in [0, 16]"
+            )
+        if self.draft_model and not self.num_speculative_tokens:
+            raise ValueError("draft_model is set but num_speculative_tokens=0 (drafting is off)")
+
+
+@dataclass(frozen=True)
 class DeviceConfig:
     device: str = "cpu"
     dtype: str = "auto"
@@ -356,12 +372,16 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len or self.model.max_position_embeddings
 
     def __post_init__(self) -> None:
+        k = self.spec.num_speculative_tokens
+        if self.cache.num_lookahead_tokens != k:  # k draft slots reserved ahead of each request
+            object.__setattr__(self, "cache", replace(self.cache, num_lookahead_tokens=k))
         if self.scheduler.max_model_len > self.model.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={self.scheduler.max_model_len} exceeds the model's "

@@ -27,6 +27,7 @@ from xllm_py.executor.messages import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from xllm_py.spec.metrics import SpecDecodeStats
 
 
 @dataclass
@@ -48,6 +49,7 @@ class SchedulerStats:
     num_preemptions: int = 0  # total since start
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec: SpecDecodeStats | None = None
 
 
 class Scheduler:
@@ -62,6 +64,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._forget: set[str] = set()  # ids the worker must drop at the next step
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
 
     # ---- request lifecycle --------------------------------------------------------------------
 
@@ -104,7 +107,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = min(remaining + len(req.spec_token_ids), budget)
             while not self.blocks.allocate(req, n, self.num_lookahead):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -113,6 +117,9 @@ class Scheduler:
                     break
             else:
                 self._emit_cached(req, n, out)
+                drafts = req.spec_token_ids[: max(n - remaining, 0)]
+                if drafts:
+                    out.spec_token_ids[req.req_id] = drafts
                 budget -= n
                 i += 1
         if not preempted:
@@ -166,6 +173,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.blocks.free(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_tokens_sent = 0
@@ -182,12 +190,18 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += sched.num_scheduled_tokens[req_id]
+            sampled = result.sampled_token_ids[row]
+            drafts = sched.spec_token_ids.get(req_id, [])
+            accepted = max(len(sampled) - 1, 0)  # drafts the target agreed with
+            self.spec_stats.record(drafts, accepted)
+            # Verified: every scheduled token except the rejected drafts.
+            req.num_computed_tokens += sched.num_scheduled_tokens[req_id] - (len(drafts) - accepted)
             new_tokens: list[int] = []
-            for tok in result.sampled_token_ids[row]:
+            for tok in sampled:
                 new_tokens.append(tok)
-                if req.append_output(tok):
+                if req.append_output(tok):  # a stop inside an accepted run drops the rest
                     break
+            req.spec_token_ids = result.draft_token_ids[row] if result.draft_token_ids else []
             self.blocks.cache_full_blocks(req, req.num_computed_tokens)
             logprobs = result.logprobs[row]
             if logprobs is not None:
@@ -211,4 +225,5 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.blocks.prefix_queries,
             prefix_cache_hits=self.blocks.prefix_hits,
+            spec=self.spec_stats,
         )

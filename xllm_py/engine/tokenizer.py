@@ -55,12 +55,15 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render `[{"role", "content"}, ...]` with the checkpoint's jinja2 chat template."""
         if not self.chat_template:
-            raise ValueError("messages: this checkpoint's tokenizer_config.json has no chat_template")
+            raise ValueError(
+                "messages: this checkpoint's tokenizer_config.json has no chat_template"
+            )
         import jinja2.sandbox
 
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
             bos_token=_token_text(self.config.get("bos_token")) or "",
             eos_token=_token_text(self.config.get("eos_token")) or "",
         )

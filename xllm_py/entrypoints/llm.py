@@ -20,6 +20,7 @@ from xllm_py.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpecConfig,
 )
 from xllm_py.engine.llm_engine import LLMEngine, Prompt
 from xllm_py.engine.outputs import RequestOutput
@@ -41,6 +42,8 @@ class LLM:
         max_seqs_per_batch: int = 256,
         max_model_len: int = 0,
         seed: int = 0,
+        num_speculative_tokens: int = 0,
+        draft_model: str | None = None,
     ) -> None:
         model = model or bundled_model()
         config = EngineConfig(
@@ -58,6 +61,7 @@ class LLM:
                 max_model_len=max_model_len,
             ),
             device=DeviceConfig(device=device, dtype=dtype, seed=seed),
+            spec=SpecConfig(num_speculative_tokens=num_speculative_tokens, draft_model=draft_model),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -110,4 +114,10 @@ class LLM:
         return [done[r] for r in req_ids]
 
     def get_stats(self):
+        """Scheduler and cache state plus speculative-decoding counters (`.spec`)."""
         return self.engine.core.stats()
+
+    def get_metrics(self):
+        """Speculative-decoding counters: drafts, draft_tokens, accepted_tokens,
+        accepted_per_position, acceptance_rate, mean_acceptance_length."""
+        return self.engine.core.stats().spec

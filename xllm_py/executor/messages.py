@@ -37,6 +37,9 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens this step
+    # req_id -> draft tokens to verify this step; they are the last tokens of the request's
+    # num_scheduled_tokens (after its last verified token), at positions past its length
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted
 
     @property
@@ -50,5 +53,9 @@ TokenLogprobs = dict[int, float]  # token id -> logprob; the chosen token first,
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # [R] every scheduled request, in scheduling order
-    sampled_token_ids: list[list[int]]  # [R][0 or 1]: empty while a prompt is still being prefilled
+    # [R][0 .. k+1]: empty while a prompt is still being prefilled; with drafts, the accepted
+    # drafts then one token from the target (bonus or correction)
+    sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None]  # [R]: per sampled token, when requested
+    # [R][0 or k]: MTP drafts proposed for the request's next step
+    draft_token_ids: list[list[int]] = field(default_factory=list)

@@ -53,6 +53,11 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)
         self.shared_head = SharedHead(cfg)
 
+    def predict(self, hidden: torch.Tensor, next_embeds: torch.Tensor, rope) -> torch.Tensor:
+        """h_i [T, hidden] and embed(t_{i+1}) [T, hidden] -> block output [T, hidden]."""
+        x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
+        return self(x, rope)
+
 
 class DeepseekV3MTP(nn.Module):
     """The draft: `num_mtp_layers` MTP layers on top of a loaded target model."""
@@ -77,6 +82,19 @@ class DeepseekV3MTP(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         process_tree(self)
+
+    def forward(
+        self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, step: int = 0
+    ) -> torch.Tensor:
+        """Draft step `step` (layer step mod num layers) at `positions` [T]: the previous
+        hidden state there [T, hidden] and the token after it [T] -> block output [T, hidden]."""
+        layer = self.layers[step % len(self.layers)]
+        rope = self.target.rotary(positions)
+        return layer.predict(hidden, self.target.model.embed_tokens(next_ids), rope)
+
+    def compute_logits(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        layer = self.layers[step % len(self.layers)]
+        return self.target.compute_logits(layer.shared_head.norm(x))
 
 
 def draft_name_map(names: list[str], num_hidden_layers: int, num_mtp: int, exported: bool):

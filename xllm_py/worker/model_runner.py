@@ -20,6 +20,7 @@ import torch
 from xllm_py.executor.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from xllm_py.models.context import ForwardContext, forward_context
 from xllm_py.sampling_params import SamplingParams
+from xllm_py.spec.mtp_proposer import MTPProposer, ProposeInput
 from xllm_py.worker.attention_layout import (
     RequestLayout,
     block_table_tensor,
@@ -62,6 +63,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.requests: dict[str, RunnerRequest] = {}
+        self.proposer: MTPProposer | None = None  # set by the worker when drafting is on
 
     def _apply_diffs(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -85,24 +87,28 @@ class ModelRunner:
         self._apply_diffs(sched)
         req_ids = list(sched.num_scheduled_tokens)
         if not req_ids:
-            return ModelRunnerOutput([], [], [])
+            return ModelRunnerOutput([], [], [], [])
         input_ids: list[int] = []
         positions: list[int] = []
         row_req: list[int] = []
         layouts: list[RequestLayout] = []
         sample_rows: list[int] = []
-        sampled: list[int] = []  # index into req_ids of each sample row
+        sample_reqs: list[tuple[int, int]] = []  # (request index, output offset) per sample row
         for i, req_id in enumerate(req_ids):
             req = self.requests[req_id]
             n, s = sched.num_scheduled_tokens[req_id], req.num_computed_tokens
+            drafts = sched.spec_token_ids.get(req_id, [])
+            known = n - len(drafts)  # scheduled tokens that are already verified
             start = len(input_ids)
-            input_ids.extend(req.token_ids[s : s + n])
+            input_ids.extend(req.token_ids[s : s + known])
+            input_ids.extend(drafts)
             positions.extend(range(s, s + n))
             row_req.extend([i] * n)
             layouts.append(RequestLayout(start, n, s + n, req.block_ids))
-            if s + n == len(req.token_ids):
-                sample_rows.append(start + n - 1)
-                sampled.append(i)
+            if s + known == len(req.token_ids):  # every row from the last verified token on
+                for j in range(len(drafts) + 1):  # samples the token after it
+                    sample_rows.append(start + known - 1 + j)
+                    sample_reqs.append((i, j))
         hidden = self._forward(input_ids, positions, row_req, layouts)
         if len(sample_rows) == len(input_ids):
             logits = self.model.compute_logits(hidden)
@@ -110,7 +116,10 @@ class ModelRunner:
             logits = self.model.compute_logits(
                 hidden[torch.tensor(sample_rows, device=self.device)]
             )
-        return self._sample(req_ids, sampled, logits)
+        out = self._sample(req_ids, sample_reqs, logits, sched.spec_token_ids)
+        if self.proposer is not None:
+            out.draft_token_ids = self._propose(req_ids, sched, layouts, out, hidden)
+        return out
 
     def _forward(self, input_ids, positions, row_req, layouts) -> torch.Tensor:
         dev = self.device
@@ -123,36 +132,69 @@ class ModelRunner:
             return self.model(ids, pos)
 
     def _sample(
-        self, req_ids: list[str], sampled: list[int], logits: torch.Tensor
+        self,
+        req_ids: list[str],
+        sample_reqs: list[tuple[int, int]],
+        logits: torch.Tensor,
+        spec: dict[str, list[int]],
     ) -> ModelRunnerOutput:
-        reqs = [self.requests[req_ids[i]] for i in sampled]
-        batch = self._sampling_batch(reqs)
-        tokens, chosen, top = self.sampler(logits, batch)
+        """One token per sample row; with drafts, greedy verification keeps the drafts up to
+        the first one the target disagrees with, then the target's own token there."""
+        reqs = [(self.requests[req_ids[i]], j) for i, j in sample_reqs]
+        tokens, chosen, top = self.sampler(logits, self._sampling_batch(reqs))
         token_list = tokens.tolist()
-        out_tokens: list[list[int]] = [[] for _ in req_ids]
-        out_logprobs: list[list[TokenLogprobs] | None] = [None] * len(req_ids)
         chosen_list = chosen.tolist() if chosen is not None else None
         top_vals, top_ids = (
             (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
         )
-        for row, i in enumerate(sampled):
-            out_tokens[i] = [token_list[row]]
-            n = reqs[row].sampling.logprobs
+        out_tokens: list[list[int]] = [[] for _ in req_ids]
+        out_logprobs: list[list[TokenLogprobs] | None] = [None] * len(req_ids)
+        for row, (i, j) in enumerate(sample_reqs):
+            drafts = spec.get(req_ids[i], [])
+            if j and (len(out_tokens[i]) != j or out_tokens[i][-1] != drafts[j - 1]):
+                continue  # an earlier draft was rejected: this row verifies nothing
+            out_tokens[i].append(token_list[row])
+            n = reqs[row][0].sampling.logprobs
             if n is not None:
                 entry = {token_list[row]: chosen_list[row]}
                 for tid, val in zip(top_ids[row][:n], top_vals[row][:n]) if n else ():
                     entry.setdefault(tid, val)
-                out_logprobs[i] = [entry]
+                out_logprobs[i] = (out_logprobs[i] or []) + [entry]
         return ModelRunnerOutput(req_ids, out_tokens, out_logprobs)
 
-    def _sampling_batch(self, reqs: list[RunnerRequest]) -> SamplingBatch:
+    def _propose(self, req_ids, sched, layouts, out: ModelRunnerOutput, hidden) -> list[list[int]]:
+        """Run the MTP layer over every request's newly verified positions; drafts for the
+        requests that can use them (greedy ones that sampled this step)."""
+        items = []
+        for i, req_id in enumerate(req_ids):
+            req, lay = self.requests[req_id], layouts[i]
+            drafts = sched.spec_token_ids.get(req_id, [])
+            new = out.sampled_token_ids[i]
+            verified = lay.q_len - len(drafts) + max(len(new) - 1, 0)  # rows now verified
+            seq = req.token_ids + new  # t_{i+1} of every verified position i
+            s = lay.ctx_len - lay.q_len
+            items.append(
+                ProposeInput(
+                    req_id=req_id,
+                    rows=list(range(lay.start, lay.start + verified)),
+                    start=s,
+                    next_ids=seq[s + 1 : s + 1 + verified],
+                    block_ids=req.block_ids,
+                    wants_drafts=bool(new) and req.sampling.greedy,
+                )
+            )
+        return self.proposer.propose(items, hidden)
+
+    def _sampling_batch(self, rows: list[tuple[RunnerRequest, int]]) -> SamplingBatch:
+        """Per-row parameters; row (request, j) samples the request's output number
+        num_outputs + j (j > 0 only on draft-verification rows)."""
         dev = self.device
-        params = [r.sampling for r in reqs]
+        params = [r.sampling for r, _ in rows]
         all_greedy = all(p.greedy for p in params)
         wants = [p.logprobs for p in params if p.logprobs is not None]
         banned = []
-        for row, r in enumerate(reqs):
-            if r.num_outputs < r.sampling.min_tokens:
+        for row, (r, j) in enumerate(rows):
+            if r.num_outputs + j < r.sampling.min_tokens:
                 ids = (
                     [] if r.sampling.ignore_eos else self.eos_token_ids
                 ) + r.sampling.stop_token_ids
@@ -184,8 +226,8 @@ class ModelRunner:
         if any(p.min_p > 0 for p in params):
             batch.min_p = torch.tensor([p.min_p for p in params], device=dev)
         batch.seeds = [
-            (row, token_seed(r.sampling.seed, r.num_outputs))
-            for row, r in enumerate(reqs)
+            (row, token_seed(r.sampling.seed, r.num_outputs + j))
+            for row, (r, j) in enumerate(rows)
             if r.sampling.seed is not None and not r.sampling.greedy
         ]
         return batch

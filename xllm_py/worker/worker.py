@@ -20,6 +20,7 @@ from xllm_py.models.deepseek_mtp import (
     read_draft_config,
 )
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
+from xllm_py.spec.mtp_proposer import MTPProposer
 from xllm_py.weights.fp8 import Fp8Config
 from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
 from xllm_py.worker.model_runner import ModelRunner
@@ -103,13 +104,23 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model = load_target_model(config, self.device, self.dtype)
+        self.draft: DeepseekV3MTP | None = None
+        if config.spec.num_speculative_tokens:
+            self.draft = load_draft_model(
+                config, self.model, config.spec.draft_model, self.device, self.dtype
+            )
         self.runner: ModelRunner | None = None
+
+    @property
+    def num_cache_layers(self) -> int:
+        """The target's layers, then the draft's MTP layers (each with its own latent cache)."""
+        return self.model.num_cache_layers + (len(self.draft.layers) if self.draft else 0)
 
     @property
     def bytes_per_block(self) -> int:
         mcfg, bs = self.config.model, self.config.cache.block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.model.num_cache_layers * bs * mcfg.kv_cache_dim * elem
+        return self.num_cache_layers * bs * mcfg.kv_cache_dim * elem
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit in --max_cache_size bytes, or in --max_memory_utilization of the
@@ -133,7 +144,7 @@ class Worker:
         # Zeroed: padded context positions are masked, but 0 * NaN would still poison the output.
         caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.model.num_cache_layers)
+            for _ in range(self.num_cache_layers)
         ]
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB)",
@@ -150,6 +161,15 @@ class Worker:
             self.dtype,
             seed,
         )
+        if self.draft is not None:
+            self.runner.proposer = MTPProposer(
+                self.draft,
+                self.config.spec.num_speculative_tokens,
+                caches,
+                self.config.cache.block_size,
+                self.device,
+                self.dtype,
+            )
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)

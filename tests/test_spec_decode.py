@@ -1,0 +1,137 @@
+"""MTP speculative decoding is lossless: greedy outputs are token-identical to
+decoding without drafts, whatever the batching, and the verification/bookkeeping
+path is exercised both with the real MTP draft and with an oracle draft that is
+always right (acceptance 1.0, k + 1 tokens per target pass)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tools.make_random_checkpoint import make_random_checkpoint
+from xllm_py import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_random_checkpoint(tmp_path_factory.mktemp("spec"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    base = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 2, 33)]
+    shared = base[2][:32]
+    return base + [shared + [7, 8, 9], shared + [300, 301]]
+
+
+def generate(path, prompts, params=GREEDY, **kw):
+    llm = LLM(model=str(path), dtype="float32", block_size=16, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    blocks = llm.engine.core.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks  # nothing leaked
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module")
+def baseline(ckpt, prompts):
+    return generate(ckpt, prompts)[0]
+
+
+class OracleProposer:
+    """Proposes the next k tokens of the known greedy continuation: always accepted."""
+
+    def __init__(self, runner, reference: dict[tuple, list[int]], k: int) -> None:
+        self.runner, self.reference, self.k = runner, reference, k
+
+    def propose(self, items, hidden):
+        out = []
+        for it in items:
+            req = self.runner.requests[it.req_id]
+            full = self.reference[tuple(req.token_ids[: req.num_prompt_tokens])]
+            n = it.start + len(it.rows) + 1  # verified tokens + the one just sampled
+            out.append(full[n : n + self.k] if it.wants_drafts else [])
+        return out
+
+
+def with_oracle(llm, prompts, baseline, k):
+    runner = llm.engine.core.executor.worker.runner
+    ref = {tuple(p): p + b for p, b in zip(prompts, baseline)}
+    runner.proposer = OracleProposer(runner, ref, k)
+    return llm
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_drafts_are_lossless(ckpt, prompts, baseline, k):
+    tokens, llm = generate(ckpt, prompts, num_speculative_tokens=k)
+    assert tokens == baseline
+    m = llm.get_metrics()
+    assert m.drafts > 0 and m.draft_tokens == k * m.drafts
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_oracle_draft_is_always_accepted(ckpt, prompts, baseline, k):
+    llm = LLM(model=str(ckpt), dtype="float32", block_size=16, num_speculative_tokens=k)
+    with_oracle(llm, prompts, baseline, k)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == baseline
+    m = llm.get_metrics()
+    assert m.acceptance_rate == pytest.approx(1.0)
+    assert m.mean_acceptance_length == pytest.approx(k + 1)
+    assert m.accepted_per_position == [m.drafts] * k
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(max_seqs_per_batch=1),
+        dict(enable_chunked_prefill=True, max_tokens_per_batch=16),
+        dict(enable_prefix_cache=True),
+        dict(max_cache_size=14 * 3 * 16 * 64 * 4 * 2),  # forces preemption (see below)
+    ],
+)
+def test_lossless_with_oracle_under_batching_variants(ckpt, prompts, baseline, kw):
+    k = 3
+    llm = LLM(model=str(ckpt), dtype="float32", block_size=16, num_speculative_tokens=k, **kw)
+    with_oracle(llm, prompts, baseline, k)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == baseline
+    assert llm.engine.core.blocks.num_free_blocks == llm.engine.core.blocks.num_blocks
+    if "max_cache_size" in kw:
+        assert llm.get_stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("max_tokens", [2, 5, 11])
+def test_max_tokens_inside_an_accepted_run(ckpt, prompts, baseline, max_tokens):
+    llm = LLM(model=str(ckpt), dtype="float32", block_size=16, num_speculative_tokens=3)
+    with_oracle(llm, prompts, baseline, 3)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for o, b in zip(outs, baseline):
+        assert o.outputs[0].token_ids == b[:max_tokens]
+        assert o.outputs[0].finish_reason == "length"
+
+
+def test_eos_inside_an_accepted_run(ckpt, prompts, baseline, tmp_path):
+    eos = baseline[0][5]  # the 6th greedy token of the first prompt becomes EOS
+    work = tmp_path / "eos"
+    shutil.copytree(ckpt, work)
+    cfg = json.loads((work / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (work / "config.json").write_text(json.dumps(cfg))
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain, _ = generate(work, prompts, params)
+    llm = LLM(model=str(work), dtype="float32", block_size=16, num_speculative_tokens=3)
+    with_oracle(llm, prompts, baseline, 3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert plain[0] == baseline[0][: baseline[0].index(eos) + 1]
+
+
+def test_no_mtp_layer_is_a_clear_error(tmp_path):
+    path = make_random_checkpoint(tmp_path / "nomtp", num_mtp=0)
+    with pytest.raises(ValueError, match="no MTP layer"):
+        LLM(model=str(path), dtype="float32", num_speculative_tokens=1)

@@ -1,0 +1,37 @@
+"""Speculative-decoding counters, as data (a Prometheus exporter consumes them later).
+
+acceptance rate          = accepted_tokens / draft_tokens
+mean acceptance length   = 1 + accepted_tokens / drafts   (tokens per target pass)
+acceptance at position j = accepted_per_position[j] / drafts
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    drafts: int = 0  # verification passes that carried drafts (one per request per step)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, drafts: list[int], accepted: int) -> None:
+        if not drafts:
+            return
+        self.drafts += 1
+        self.draft_tokens += len(drafts)
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < len(drafts):
+            self.accepted_per_position += [0] * (len(drafts) - len(self.accepted_per_position))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0

@@ -1,0 +1,124 @@
+"""Draft tokens from the model's own MTP layer(s).
+
+After every target pass, one batched MTP pass runs over each request's newly
+verified positions i (prefill chunks too, so the MTP layer's own latent cache
+is always filled up to the verified length):
+
+    input   h_i (target hidden after the final norm) and t_{i+1}
+    output  MTP block state x_i; logits at the request's last verified
+            position predict its first draft token
+
+For k > 1 the same layer (layer `step mod n` with n MTP layers) runs again,
+one position further, on its own block state and its own draft token. The
+state is chained *before* `shared_head.norm` (vLLM's choice; SGLang chains
+after it): CHAIN_AFTER_NORM switches, and tools/eval_mtp_agreement.py-style
+measurements on the bundled model decide the default.
+
+Draft positions live in the request's own blocks: the scheduler reserves k
+look-ahead slots, and entries written for drafts that are later rejected are
+overwritten when those positions are verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from xllm_py.models.context import ForwardContext, forward_context
+from xllm_py.models.deepseek_mtp import DeepseekV3MTP
+from xllm_py.worker.attention_layout import (
+    RequestLayout,
+    block_table_tensor,
+    build_groups,
+    slot_mapping,
+)
+
+CHAIN_AFTER_NORM = False
+
+
+@dataclass
+class ProposeInput:
+    req_id: str
+    rows: list[int]  # rows of the target batch holding newly verified positions, in order
+    start: int  # position of the first of them
+    next_ids: list[int]  # t_{i+1} for each of those positions
+    block_ids: list[int]
+    wants_drafts: bool  # False while a prompt is still being prefilled, or for sampled requests
+
+
+class MTPProposer:
+    def __init__(
+        self,
+        draft: DeepseekV3MTP,
+        num_tokens: int,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.draft = draft
+        self.k = num_tokens
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+
+    def propose(self, items: list[ProposeInput], target_hidden: torch.Tensor) -> list[list[int]]:
+        """One list of drafts (k tokens, or none) per item."""
+        if not items:
+            return []
+        rows = [r for it in items for r in it.rows]
+        next_ids = [t for it in items for t in it.next_ids]
+        positions = [it.start + j for it in items for j in range(len(it.rows))]
+        layouts, start = [], 0
+        for it in items:
+            n = len(it.rows)
+            layouts.append(RequestLayout(start, n, it.start + n, it.block_ids))
+            start += n
+        x = self._run(
+            next_ids,
+            positions,
+            target_hidden[torch.tensor(rows, device=self.device)],
+            layouts,
+            step=0,
+        )
+        want = [i for i, it in enumerate(items) if it.wants_drafts]
+        drafts: list[list[int]] = [[] for _ in items]
+        if not want:
+            return drafts
+        last = torch.tensor(
+            [layouts[i].start + layouts[i].q_len - 1 for i in want], device=self.device
+        )
+        x = x[last]
+        tokens = self.draft.compute_logits(x, 0).argmax(dim=-1)
+        for i, t in zip(want, tokens.tolist()):
+            drafts[i].append(t)
+        for step in range(1, self.k):
+            chain = [
+                RequestLayout(j, 1, items[i].start + len(items[i].rows) + step, items[i].block_ids)
+                for j, i in enumerate(want)
+            ]
+            pos = [lay.ctx_len - 1 for lay in chain]
+            hidden = (
+                self.draft.layers[(step - 1) % len(self.draft.layers)].shared_head.norm(x)
+                if CHAIN_AFTER_NORM
+                else x
+            )
+            x = self._run(tokens.tolist(), pos, hidden, chain, step)
+            tokens = self.draft.compute_logits(x, step).argmax(dim=-1)
+            for i, t in zip(want, tokens.tolist()):
+                drafts[i].append(t)
+        return drafts
+
+    def _run(self, ids, positions, hidden, layouts: list[RequestLayout], step: int) -> torch.Tensor:
+        dev = self.device
+        pos = torch.tensor(positions, device=dev)
+        table = block_table_tensor(layouts, dev)
+        row_req = torch.tensor(
+            [i for i, lay in enumerate(layouts) for _ in range(lay.q_len)], device=dev
+        )
+        slots = slot_mapping(table, row_req, pos, self.block_size)
+        groups = build_groups(layouts, table, self.block_size, len(positions), self.dtype)
+        with forward_context(ForwardContext(slots, groups, self.kv_caches)):
+            return self.draft(torch.tensor(ids, device=dev), pos, hidden, step)
