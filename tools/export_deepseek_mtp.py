@@ -35,10 +35,10 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from xllm_py.models.deepseek_mtp import DRAFT_ARCHITECTURE  # noqa: E402
 from xllm_py.weights.fp8 import Fp8Config  # noqa: E402
 from xllm_py.weights.loader import INDEX_FILE, Checkpoint, layer_index  # noqa: E402
 
-DRAFT_ARCHITECTURE = "DeepseekV3MtpForCausalLM"
 TOP_LEVEL = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
 SHARD_BYTES = 4 << 30
 
@@ -69,6 +69,11 @@ def export(input_dir: Path, output_dir: Path, dtype: torch.dtype, force: bool) -
         raise ValueError(
             f"{input_dir}: num_nextn_predict_layers={n_mtp}: the checkpoint has no MTP layer"
         )
+    src, dst = input_dir.resolve(), output_dir.resolve()
+    if dst == src or src in dst.parents:
+        raise ValueError(
+            f"--output-dir {output_dir} is inside the input checkpoint; choose another"
+        )
     if output_dir.exists() and not force:
         raise ValueError(f"--output-dir {output_dir} exists; pass --force to replace it")
     ckpt = Checkpoint(input_dir, Fp8Config.from_quantization_config(cfg.get("quantization_config")))
@@ -96,7 +101,9 @@ def export(input_dir: Path, output_dir: Path, dtype: torch.dtype, force: bool) -
 def _write(ckpt, plan, cfg, n_mtp, out: Path, dtype, input_dir: Path) -> dict:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = total = 0
-    for name, tensor in ckpt.tensors(sorted(plan), dtype, desc="exporting MTP tensors"):
+    for name, tensor in ckpt.tensors(sorted(plan), desc="exporting MTP tensors"):
+        if not name.endswith("e_score_correction_bias"):  # routing bias stays float32
+            tensor = tensor.to(dtype)
         nbytes = tensor.numel() * tensor.element_size()
         if size and size + nbytes > SHARD_BYTES:
             shards.append({})

@@ -378,6 +378,11 @@ class EngineConfig:
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len or self.model.max_position_embeddings
 
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Blocks one full-length request can hold (its look-ahead slots included)."""
+        return -(-(self.max_model_len + self.cache.num_lookahead_tokens) // self.cache.block_size)
+
     def __post_init__(self) -> None:
         k = self.spec.num_speculative_tokens
         if self.cache.num_lookahead_tokens != k:  # k draft slots reserved ahead of each request

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily
 
@@ -23,7 +23,6 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's and the top N
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

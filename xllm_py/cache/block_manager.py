@@ -76,8 +76,6 @@ class BlockManager:
             if bid is None:
                 break
             hits.append(bid)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits
 
     def cache_full_blocks(self, req: Request, num_verified_tokens: int) -> None:
@@ -113,6 +111,9 @@ class BlockManager:
                 del self._free[b]
             self.ref_count[b] += 1
             req.block_ids.append(b)
+        if not req.num_computed_tokens:  # admission: count prefix-cache queries and hits once
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += len(hits) * self.block_size
         if hits:
             req.num_cached_blocks = len(req.block_ids)
         for _ in range(new_blocks):

@@ -30,7 +30,7 @@ class EngineCore:
         self.executor = executor
         num_blocks = executor.determine_num_blocks()
         bs = config.cache.block_size
-        min_blocks = -(-(config.max_model_len + config.cache.num_lookahead_tokens) // bs)
+        min_blocks = config.max_blocks_per_seq
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget holds {num_blocks} blocks of {bs} tokens; raise "
@@ -63,6 +63,11 @@ class EngineCore:
                 f"prompt: {n} tokens leave no room to generate within the model's context "
                 f"of {max_len} tokens"
             )
+        for t in sampling.stop_token_ids:
+            if not 0 <= t < vocab:
+                raise ValueError(f"stop_token_ids: {t} is outside [0, vocab_size={vocab})")
+        if sampling.logprobs is not None and sampling.logprobs > vocab:
+            raise ValueError(f"logprobs={sampling.logprobs} exceeds vocab_size={vocab}")
         sched = self.config.scheduler
         if not sched.enable_chunked_prefill and n > sched.max_tokens_per_batch:
             raise ValueError(
@@ -105,6 +110,3 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
-
-    def shutdown(self) -> None:
-        self.executor.shutdown()

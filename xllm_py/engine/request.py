@@ -8,7 +8,6 @@ decode and recompute after preemption are all "schedule the difference".
 from __future__ import annotations
 
 import enum
-import time
 
 from xllm_py.sampling_params import SamplingParams
 
@@ -48,7 +47,6 @@ class Request:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.arrival_time = time.monotonic()
 
     @property
     def num_tokens(self) -> int:
@@ -57,10 +55,6 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
 
     def append_output(self, token_id: int) -> bool:
         """Add one generated token; return True (and set finish_reason) if it ends the request."""

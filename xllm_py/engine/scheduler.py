@@ -108,7 +108,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
-            n = min(remaining + len(req.spec_token_ids), budget)
+            # Drafts past the request's last possible token (max_tokens, context) are waste.
+            drafts = req.spec_token_ids[: max(req.max_output - len(req.output_token_ids) - 1, 0)]
+            n = min(remaining + len(drafts), budget)
             while not self.blocks.allocate(req, n, self.num_lookahead):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -117,7 +119,7 @@ class Scheduler:
                     break
             else:
                 self._emit_cached(req, n, out)
-                drafts = req.spec_token_ids[: max(n - remaining, 0)]
+                drafts = drafts[: max(n - remaining, 0)]
                 if drafts:
                     out.spec_token_ids[req.req_id] = drafts
                 budget -= n
@@ -201,6 +203,8 @@ class Scheduler:
                 new_tokens.append(tok)
                 if req.append_output(tok):  # a stop inside an accepted run drops the rest
                     break
+            # A stop inside an accepted run drops tokens that were counted as computed.
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             req.spec_token_ids = result.draft_token_ids[row] if result.draft_token_ids else []
             self.blocks.cache_full_blocks(req, req.num_computed_tokens)
             logprobs = result.logprobs[row]

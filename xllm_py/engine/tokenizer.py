@@ -21,7 +21,6 @@ class Tokenizer:
         self.config = config
         self.chat_template: str | None = config.get("chat_template")
         self.bos_token_id = self._id(config.get("bos_token"))
-        self.eos_token_id = self._id(config.get("eos_token"))
         self.add_bos = bool(config.get("add_bos_token", False))
 
     def _id(self, token) -> int | None:
@@ -37,10 +36,6 @@ class Tokenizer:
         cfg_file = path / "tokenizer_config.json"
         config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         return cls(_HFTokenizer.from_file(str(path / "tokenizer.json")), config)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids

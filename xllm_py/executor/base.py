@@ -17,6 +17,3 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
-
-    def shutdown(self) -> None:  # noqa: B027 - optional hook
-        pass

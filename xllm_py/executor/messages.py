@@ -42,10 +42,6 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted
 
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
 
 TokenLogprobs = dict[int, float]  # token id -> logprob; the chosen token first, then the top N
 

@@ -34,8 +34,6 @@ from xllm_py.models.layers.linear import Linear
 from xllm_py.models.layers.norm import RMSNorm
 
 DRAFT_ARCHITECTURE = "DeepseekV3MtpForCausalLM"
-MTP_OWN = ("enorm", "hnorm", "eh_proj", "shared_head.norm")  # per-layer tensors outside the block
-SHARED_COPIES = ("embed_tokens", "shared_head.head")  # equal to the target's; dropped
 
 
 class SharedHead(nn.Module):
@@ -171,6 +169,8 @@ def check_shared_copy(name: str, stored: torch.Tensor, target_tensor: torch.Tens
             f"draft tensor {name!r} has shape {tuple(stored.shape)} but the target's copy has "
             f"{tuple(target_tensor.shape)}"
         )
+    if torch.equal(stored.to(target_tensor.dtype), target_tensor):  # the target's own cast
+        return
     coarse = min(stored.dtype, target_tensor.dtype, key=lambda d: torch.finfo(d).eps * -1)
     if not torch.equal(stored.to(coarse), target_tensor.to(coarse)):
         raise ValueError(

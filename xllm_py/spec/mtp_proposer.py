@@ -44,7 +44,7 @@ class ProposeInput:
     start: int  # position of the first of them
     next_ids: list[int]  # t_{i+1} for each of those positions
     block_ids: list[int]
-    wants_drafts: bool  # False while a prompt is still being prefilled, or for sampled requests
+    wants_drafts: bool  # False while a prompt is still being prefilled
 
 
 class MTPProposer:
@@ -56,8 +56,10 @@ class MTPProposer:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        max_len: int,
     ) -> None:
         self.draft = draft
+        self.max_len = max_len  # positions must stay below the context length
         self.k = num_tokens
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -95,8 +97,14 @@ class MTPProposer:
         for i, t in zip(want, tokens.tolist()):
             drafts[i].append(t)
         for step in range(1, self.k):
+            # Chained draft j sits at (last verified position + j); stop at the context end.
+            keep = [n for n, i in enumerate(want) if self._last(items[i]) + step < self.max_len]
+            if not keep:
+                break
+            if len(keep) < len(want):
+                want, x, tokens = [want[n] for n in keep], x[keep], tokens[keep]
             chain = [
-                RequestLayout(j, 1, items[i].start + len(items[i].rows) + step, items[i].block_ids)
+                RequestLayout(j, 1, self._last(items[i]) + step + 1, items[i].block_ids)
                 for j, i in enumerate(want)
             ]
             pos = [lay.ctx_len - 1 for lay in chain]
@@ -110,6 +118,10 @@ class MTPProposer:
             for i, t in zip(want, tokens.tolist()):
                 drafts[i].append(t)
         return drafts
+
+    @staticmethod
+    def _last(item: ProposeInput) -> int:
+        return item.start + len(item.rows) - 1  # the request's last verified position
 
     def _run(self, ids, positions, hidden, layouts: list[RequestLayout], step: int) -> torch.Tensor:
         dev = self.device

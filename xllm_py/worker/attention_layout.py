@@ -46,12 +46,9 @@ def build_groups(
     block_size: int,
     num_rows: int,
     dtype: torch.dtype,
-    absorb_max_q: int | None = None,
 ) -> list[AttnGroup]:
-    if absorb_max_q is None:
-        absorb_max_q = ABSORB_MAX_Q
-    short = [i for i, r in enumerate(reqs) if r.q_len <= absorb_max_q]
-    long = [i for i, r in enumerate(reqs) if r.q_len > absorb_max_q]
+    short = [i for i, r in enumerate(reqs) if r.q_len <= ABSORB_MAX_Q]
+    long = [i for i, r in enumerate(reqs) if r.q_len > ABSORB_MAX_Q]
     groups = []
     for absorbed, idx in ((True, short), (False, long)):
         if idx:

@@ -27,7 +27,8 @@ from xllm_py.worker.attention_layout import (
     build_groups,
     slot_mapping,
 )
-from xllm_py.worker.sampler import Sampler, SamplingBatch, token_seed
+from xllm_py.worker.rejection_sampler import verify
+from xllm_py.worker.sampler import Sampler, SamplingBatch, logprob_details, token_seed
 
 
 @dataclass
@@ -138,33 +139,59 @@ class ModelRunner:
         logits: torch.Tensor,
         spec: dict[str, list[int]],
     ) -> ModelRunnerOutput:
-        """One token per sample row; with drafts, greedy verification keeps the drafts up to
-        the first one the target disagrees with, then the target's own token there."""
-        reqs = [(self.requests[req_ids[i]], j) for i, j in sample_reqs]
-        tokens, chosen, top = self.sampler(logits, self._sampling_batch(reqs))
-        token_list = tokens.tolist()
-        chosen_list = chosen.tolist() if chosen is not None else None
-        top_vals, top_ids = (
-            (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
-        )
+        """One token per request, or with drafts, the verified run (rejection_sampler)."""
+        rows = [(self.requests[req_ids[i]], j) for i, j in sample_reqs]
+        batch = self._sampling_batch(rows)
         out_tokens: list[list[int]] = [[] for _ in req_ids]
-        out_logprobs: list[list[TokenLogprobs] | None] = [None] * len(req_ids)
-        for row, (i, j) in enumerate(sample_reqs):
-            drafts = spec.get(req_ids[i], [])
-            if j and (len(out_tokens[i]) != j or out_tokens[i][-1] != drafts[j - 1]):
-                continue  # an earlier draft was rejected: this row verifies nothing
-            out_tokens[i].append(token_list[row])
-            n = reqs[row][0].sampling.logprobs
-            if n is not None:
-                entry = {token_list[row]: chosen_list[row]}
-                for tid, val in zip(top_ids[row][:n], top_vals[row][:n]) if n else ():
-                    entry.setdefault(tid, val)
-                out_logprobs[i] = (out_logprobs[i] or []) + [entry]
-        return ModelRunnerOutput(req_ids, out_tokens, out_logprobs)
+        if not spec:
+            tokens, chosen, top = self.sampler(logits, batch)
+            emitted_rows = list(range(len(sample_reqs)))
+            token_list = tokens.tolist()
+            for row, (i, _) in enumerate(sample_reqs):
+                out_tokens[i] = [token_list[row]]
+        else:
+            raw = None if batch.max_logprobs is None else torch.log_softmax(logits, dim=-1)
+            firsts = [row for row, (_, j) in enumerate(sample_reqs) if j == 0]
+            owners = [sample_reqs[row][0] for row in firsts]
+            drafts = [spec.get(req_ids[i], []) for i in owners]
+            emitted = verify(self.sampler, logits, batch, [len(d) + 1 for d in drafts], drafts)
+            emitted_rows, token_list = [], []
+            for i, first, em in zip(owners, firsts, emitted):
+                out_tokens[i] = em
+                emitted_rows += range(first, first + len(em))
+                token_list += em
+            idx = torch.tensor(emitted_rows, device=logits.device)
+            chosen, top = logprob_details(
+                None if raw is None else raw[idx],
+                torch.tensor(token_list, device=logits.device),
+                batch.max_logprobs,
+            )
+        logprobs = self._logprobs(req_ids, sample_reqs, emitted_rows, token_list, chosen, top)
+        return ModelRunnerOutput(req_ids, out_tokens, logprobs)
+
+    def _logprobs(self, req_ids, sample_reqs, emitted_rows, token_list, chosen, top):
+        """{token: logprob} for each emitted token of the requests that asked (chosen first)."""
+        out: list[list[TokenLogprobs] | None] = [None] * len(req_ids)
+        if chosen is None:
+            return out
+        chosen_list = chosen.tolist()
+        top_vals, top_ids = (
+            (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+        )
+        for k, row in enumerate(emitted_rows):
+            i = sample_reqs[row][0]
+            n = self.requests[req_ids[i]].sampling.logprobs
+            if n is None:
+                continue
+            entry = {token_list[k]: chosen_list[k]}
+            for tid, val in zip(top_ids[k][:n], top_vals[k][:n]) if n else ():
+                entry.setdefault(tid, val)
+            out[i] = (out[i] or []) + [entry]
+        return out
 
     def _propose(self, req_ids, sched, layouts, out: ModelRunnerOutput, hidden) -> list[list[int]]:
         """Run the MTP layer over every request's newly verified positions; drafts for the
-        requests that can use them (greedy ones that sampled this step)."""
+        requests that sampled this step (greedy or not: verification is exact for both)."""
         items = []
         for i, req_id in enumerate(req_ids):
             req, lay = self.requests[req_id], layouts[i]
@@ -180,7 +207,7 @@ class ModelRunner:
                     start=s,
                     next_ids=seq[s + 1 : s + 1 + verified],
                     block_ids=req.block_ids,
-                    wants_drafts=bool(new) and req.sampling.greedy,
+                    wants_drafts=bool(new),
                 )
             )
         return self.proposer.propose(items, hidden)

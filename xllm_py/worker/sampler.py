@@ -49,32 +49,59 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """logits [R, V] float32 -> (tokens [R], chosen logprob [R], top (values, ids) [R, N])."""
         logprobs = None if batch.max_logprobs is None else torch.log_softmax(logits, dim=-1)
-        for row, ids in batch.banned:
-            logits[row, ids] = float("-inf")
+        _ban(logits, batch)
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             tokens = greedy_tokens
         else:
-            tokens = torch.where(batch.greedy, greedy_tokens, self._sample(logits, batch))
-        if logprobs is None:
-            return tokens, None, None
-        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        top = logprobs.topk(batch.max_logprobs, dim=-1) if batch.max_logprobs else None
-        return tokens, chosen, top
+            probs = _processed(logits, batch)
+            _, noise = self.draws(probs, batch)
+            tokens = torch.where(batch.greedy, greedy_tokens, (probs / noise).argmax(dim=-1))
+        return (tokens, *logprob_details(logprobs, tokens, batch.max_logprobs))
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        logits = logits / batch.temperature.unsqueeze(1)
-        if batch.top_k is not None or batch.top_p is not None:
-            logits = _filter_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if batch.min_p is not None:
-            floor = probs.amax(dim=-1, keepdim=True) * batch.min_p.unsqueeze(1)
-            probs = probs.masked_fill(probs < floor, 0.0)
+    def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution each row samples from [R, V]: one-hot on greedy rows."""
+        _ban(logits, batch)
+        onehot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        if batch.all_greedy:
+            return onehot
+        return torch.where(batch.greedy.unsqueeze(1), onehot, _processed(logits, batch))
+
+    def draws(self, probs: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, a uniform in [0, 1) and exponential race noise [V]; seeded rows draw
+        both from a generator seeded by (seed, output index)."""
+        uniform = torch.rand(probs.shape[0], generator=self.generator, device=probs.device)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed in batch.seeds:
             g = torch.Generator(device=probs.device).manual_seed(seed)
+            uniform[row] = torch.rand((), generator=g, device=probs.device)
             noise[row].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        return uniform, noise
+
+
+def logprob_details(logprobs: torch.Tensor | None, tokens: torch.Tensor, n: int | None):
+    """(chosen-token logprob [R], top-n (values, ids)) from raw logprobs, or (None, None)."""
+    if logprobs is None:
+        return None, None
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return chosen, (logprobs.topk(n, dim=-1) if n else None)
+
+
+def _ban(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    for row, ids in batch.banned:
+        logits[row, ids] = float("-inf")
+
+
+def _processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, top-k, top-p, then min-p: the probabilities a sampled row draws from."""
+    logits = logits / batch.temperature.unsqueeze(1)
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = _filter_top_k_top_p(logits, batch.top_k, batch.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if batch.min_p is not None:
+        floor = probs.amax(dim=-1, keepdim=True) * batch.min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
 
 
 def _filter_top_k_top_p(

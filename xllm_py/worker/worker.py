@@ -133,10 +133,9 @@ class Worker:
             budget = int(available_memory(self.device) * cache.max_memory_utilization)
         num = budget // self.bytes_per_block
         if self.device.type == "cpu" and not cache.max_cache_size:
-            per_seq = -(
-                -(self.config.max_model_len + cache.num_lookahead_tokens) // cache.block_size
+            num = min(
+                num, self.config.scheduler.max_seqs_per_batch * self.config.max_blocks_per_seq
             )
-            num = min(num, self.config.scheduler.max_seqs_per_batch * per_seq)
         return int(num)
 
     def init_cache(self, num_blocks: int, seed: int = 0) -> None:
@@ -169,6 +168,7 @@ class Worker:
                 self.config.cache.block_size,
                 self.device,
                 self.dtype,
+                self.config.max_model_len,
             )
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

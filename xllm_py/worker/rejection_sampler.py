@@ -1,0 +1,77 @@
+"""Verify draft tokens against the target so the output distribution is exactly
+the target's (Leviathan et al. 2023).
+
+Terms, for one request with k drafts in a step:
+  draft      d_1..d_k, proposed by the MTP layer; q_j is the distribution d_j was
+             drawn from (one-hot at d_j when drafting is greedy, which it is now)
+  target     p_0..p_k, the target's distributions at the k + 1 verification rows
+             (temperature, top-k, top-p, min-p applied), p_{j-1} judging d_j
+  accepted   d_j is kept with probability min(1, p_{j-1}(d_j) / q_j(d_j)), in order,
+             until the first rejection
+  recovered  at the first rejection j, a token drawn from normalise(max(p_{j-1} - q_j, 0))
+  bonus      when all k are accepted, a token drawn from p_k
+A request emits accepted + 1 tokens. Greedy requests have one-hot p, so this is
+"accept while d_j == argmax, then the argmax": token-identical to plain decoding.
+
+Draws for a seeded request come from a generator seeded by (seed, output index),
+like the plain sampler, so a seeded request repeats whatever else is batched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xllm_py.worker.sampler import Sampler, SamplingBatch
+
+
+def verify(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    row_counts: list[int],
+    drafts: list[list[int]],
+    draft_probs: torch.Tensor | None = None,
+) -> list[list[int]]:
+    """logits [R, V] for all verification rows, request after request (request i owns
+    row_counts[i] = len(drafts[i]) + 1 consecutive rows). draft_probs [sum k, V]: q of each
+    draft, None for greedy (one-hot) drafts. Returns the emitted tokens per request."""
+    probs = sampler.probabilities(logits, batch)  # [R, V]; one-hot on greedy rows
+    starts = [0]
+    for c in row_counts[:-1]:
+        starts.append(starts[-1] + c)
+    judge_rows = [s + j for s, d in zip(starts, drafts) for j in range(len(d))]
+    flat = [t for d in drafts for t in d]
+    dev = logits.device
+    uniform, noise = sampler.draws(probs, batch)  # [R], [R, V]
+    final_rows = torch.tensor([s + len(d) for s, d in zip(starts, drafts)], device=dev)
+    bonus = (probs[final_rows] / noise[final_rows]).argmax(dim=-1).tolist()
+    if not flat:
+        return [[b] for b in bonus]
+    rows = torch.tensor(judge_rows, device=dev)
+    ids = torch.tensor(flat, device=dev)
+    p = probs[rows]  # [D, V]
+    q = (
+        torch.zeros_like(p).scatter_(1, ids.unsqueeze(1), 1.0)
+        if draft_probs is None
+        else draft_probs
+    )
+    p_d, q_d = p.gather(1, ids.unsqueeze(1)).squeeze(1), q.gather(1, ids.unsqueeze(1)).squeeze(1)
+    accept = (uniform[rows] * q_d < p_d).tolist()  # u < p/q without dividing by zero
+    residual = (p - q).clamp(min=0)
+    # Rows where p <= q everywhere cannot reject; keep a valid distribution there anyway.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    recovered = (residual / noise[rows]).argmax(dim=-1).tolist()
+    out, d_at = [], 0
+    for i, d in enumerate(drafts):
+        emitted = []
+        for j, tok in enumerate(d):
+            if accept[d_at + j]:
+                emitted.append(tok)
+            else:
+                emitted.append(recovered[d_at + j])
+                break
+        else:
+            emitted.append(bonus[i])
+        out.append(emitted)
+        d_at += len(d)
+    return out
