@@ -158,3 +158,34 @@ def test_no_mtp_layer_is_a_clear_error(tmp_path):
     path = make_random_checkpoint(tmp_path / "nomtp", num_mtp=0)
     with pytest.raises(ValueError, match="no MTP layer"):
         LLM(model=str(path), dtype="float32", num_speculative_tokens=1)
+
+
+def test_speculation_pauses_above_the_disable_batch_size(ckpt, prompts, baseline):
+    def run(limit):
+        llm = LLM(
+            model=str(ckpt),
+            dtype="float32",
+            block_size=16,
+            num_speculative_tokens=2,
+            speculative_disable_batch_size=limit,
+        )
+        with_oracle(llm, prompts, baseline, 2)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == baseline
+        return llm.get_metrics().drafts
+
+    assert run(len(prompts) - 1) == 0  # all requests run together: always above the limit
+    assert run(len(prompts)) > 0
+
+
+def test_acceptance_is_logged_periodically(ckpt, prompts, baseline, caplog, monkeypatch):
+    import logging
+
+    from xllm_py.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "STATS_LOG_INTERVAL_S", 0.0)
+    llm = LLM(model=str(ckpt), dtype="float32", block_size=16, num_speculative_tokens=1)
+    with_oracle(llm, prompts, baseline, 1)
+    with caplog.at_level(logging.INFO, logger="xllm_py.engine.llm_engine"):
+        llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert any("acceptance rate 1.00" in r.getMessage() for r in caplog.records)

@@ -326,11 +326,18 @@ class SpecConfig:
 
     num_speculative_tokens: int = 0  # 0 = off
     draft_model: str | None = None  # exported MTP directory; None = read from the target
+    # Above this many running requests, steps verify no drafts (plain decoding): at high
+    # concurrency verifying k + 1 tokens per request can cost more than it saves. 0 = never.
+    speculative_disable_batch_size: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(
                 f"num_speculative_tokens={self.num_speculative_tokens} must be in [0, 16]"
+            )
+        if self.speculative_disable_batch_size < 0:
+            raise ValueError(
+                f"speculative_disable_batch_size={self.speculative_disable_batch_size} must be >= 0"
             )
         if self.draft_model and not self.num_speculative_tokens:
             raise ValueError("draft_model is set but num_speculative_tokens=0 (drafting is off)")

@@ -45,7 +45,12 @@ class EngineCore:
             )
         executor.init_cache(num_blocks)
         self.blocks = BlockManager(num_blocks, bs, config.cache.enable_prefix_cache)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, config.cache.num_lookahead_tokens)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.blocks,
+            config.cache.num_lookahead_tokens,
+            config.spec.speculative_disable_batch_size,
+        )
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ValueError naming the field if this request can never be served."""

@@ -6,6 +6,8 @@ EngineCore.step() -> EngineCoreOutput --detokenize, stop strings--> RequestOutpu
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from xllm_py.config import EngineConfig
@@ -16,6 +18,8 @@ from xllm_py.engine.tokenizer import Tokenizer
 from xllm_py.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]
+STATS_LOG_INTERVAL_S = 10.0
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -24,6 +28,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.model.path)
         self.core = EngineCore(config)
         self.states: dict[str, RequestState] = {}
+        self._last_log = time.monotonic()
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -53,6 +58,25 @@ class LLMEngine:
         self.core.add_request(req_id, ids, sampling)
         self.states[req_id] = RequestState(req_id, text, ids, sampling, self.tokenizer)
 
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < STATS_LOG_INTERVAL_S:
+            return
+        self._last_log = now
+        st = self.core.stats()
+        spec = st.spec
+        logger.info(
+            "running %d, waiting %d, KV cache %.0f%%, preemptions %d; drafts %d, acceptance "
+            "rate %.2f, mean acceptance length %.2f",
+            st.num_running,
+            st.num_waiting,
+            100 * st.kv_cache_usage,
+            st.num_preemptions,
+            spec.drafts,
+            spec.acceptance_rate,
+            spec.mean_acceptance_length,
+        )
+
     def abort_request(self, req_id: str) -> None:
         self.core.finish_request(req_id, "abort")
         self.states.pop(req_id, None)
@@ -62,6 +86,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that advanced."""
+        self._maybe_log_stats()
         results = []
         for out in self.core.step():
             state = self.states.get(out.req_id)

@@ -54,9 +54,14 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_tokens: int = 0
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        num_lookahead_tokens: int = 0,
+        spec_disable_batch_size: int = 0,
     ) -> None:
         self.config = config
+        self.spec_disable_batch_size = spec_disable_batch_size
         self.blocks = block_manager
         self.num_lookahead = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
@@ -104,12 +109,15 @@ class Scheduler:
         self._forget = set()
         budget = self.config.max_tokens_per_batch
         preempted = False
+        limit = self.spec_disable_batch_size
+        use_drafts = not limit or len(self.running) <= limit
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
             # Drafts past the request's last possible token (max_tokens, context) are waste.
-            drafts = req.spec_token_ids[: max(req.max_output - len(req.output_token_ids) - 1, 0)]
+            room = req.max_output - len(req.output_token_ids) - 1
+            drafts = req.spec_token_ids[: max(room, 0)] if use_drafts else []
             n = min(remaining + len(drafts), budget)
             while not self.blocks.allocate(req, n, self.num_lookahead):
                 victim = self.running.pop()

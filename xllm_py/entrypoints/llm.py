@@ -44,6 +44,7 @@ class LLM:
         seed: int = 0,
         num_speculative_tokens: int = 0,
         draft_model: str | None = None,
+        speculative_disable_batch_size: int = 0,
     ) -> None:
         model = model or bundled_model()
         config = EngineConfig(
@@ -61,7 +62,11 @@ class LLM:
                 max_model_len=max_model_len,
             ),
             device=DeviceConfig(device=device, dtype=dtype, seed=seed),
-            spec=SpecConfig(num_speculative_tokens=num_speculative_tokens, draft_model=draft_model),
+            spec=SpecConfig(
+                num_speculative_tokens=num_speculative_tokens,
+                draft_model=draft_model,
+                speculative_disable_batch_size=speculative_disable_batch_size,
+            ),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
