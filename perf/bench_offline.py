@@ -12,6 +12,13 @@ process, side by side, so the ratio is measured under the same conditions.
     python perf/bench_offline.py --model DIR --batch-sizes 1 32 --new-tokens 128
 
 Writes perf/results/bench_offline.json (override with --output).
+
+With --spec K [K ...] it instead measures MTP speculative decoding on held-out
+ShareGPT prompts (first user turns, chat template applied): for each batch size
+and each k, output tokens/s of the engine with k draft tokens, speedup over
+k = 0 measured in the same run, mean acceptance length (tokens per target
+pass) and efficiency = speedup / mean acceptance length. Writes
+perf/results/bench_spec.json by default.
 """
 
 from __future__ import annotations
@@ -158,6 +165,91 @@ def bench_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtyp
     }
 
 
+def sharegpt_prompts(n: int) -> list[str]:
+    """First user turns of held-out ShareGPT conversations (the bundled model never saw them)."""
+    from xllm_py.sharegpt import iter_conversations, turns
+
+    out = []
+    for i, conv in enumerate(iter_conversations()):
+        t = turns(conv)
+        if i % 50 == 0 and t and t[0][0] == "user" and 20 < len(t[0][1]) < 1500:
+            out.append(t[0][1])
+            if len(out) == n:
+                break
+    return out
+
+
+def bench_spec(model_dir: Path, batch: int, k: int, new_tokens: int, dtype: str) -> dict:
+    from xllm_py import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), dtype=dtype, max_seqs_per_batch=batch, num_speculative_tokens=k)
+    tok = llm.get_tokenizer()
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p}])
+        for p in sharegpt_prompts(batch + 2)
+    ]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(texts[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    before = llm.get_metrics()
+    drafts0, acc0 = before.drafts, before.accepted_tokens
+    t0 = time.perf_counter()
+    outs = llm.generate(texts[2:], params)
+    dt = time.perf_counter() - t0
+    m = llm.get_metrics()
+    drafts, accepted = m.drafts - drafts0, m.accepted_tokens - acc0
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "batch": batch,
+        "k": k,
+        "output_tokens": generated,
+        "seconds": dt,
+        "output_tok_s": generated / dt,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "acceptance_rate": accepted / max(m.draft_tokens - before.draft_tokens, 1) if k else None,
+    }
+
+
+def run_spec_sweep(args, model_dir: Path) -> None:
+    rows = []
+    for b in args.batch_sizes:
+        base = None
+        for k in args.spec:
+            r = bench_spec(model_dir, b, k, args.new_tokens, args.dtype)
+            base = base or (r["output_tok_s"] if k == 0 else None)
+            if base:
+                r["speedup"] = r["output_tok_s"] / base
+                r["efficiency"] = r["speedup"] / r["mean_acceptance_length"]
+            rows.append(r)
+            print(
+                f"batch {b:>3} k={k}: {r['output_tok_s']:8.1f} tok/s  "
+                f"speedup {r.get('speedup', float('nan')):4.2f}x  "
+                f"accept len {r['mean_acceptance_length']:4.2f}  "
+                f"efficiency {r.get('efficiency', float('nan')):4.2f}",
+                flush=True,
+            )
+    out = args.output if args.output != DEFAULT_OUTPUT else ROOT / "perf/results/bench_spec.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "MTP speculative decoding, greedy, held-out ShareGPT prompts",
+                "command": " ".join(["python"] + sys.argv),
+                "model": str(model_dir),
+                "dtype": args.dtype,
+                "threads": args.threads,
+                "new_tokens": args.new_tokens,
+                "torch": torch.__version__,
+                "results": rows,
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {out}")
+
+
+DEFAULT_OUTPUT = ROOT / "perf/results/bench_offline.json"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -174,7 +266,14 @@ def main() -> None:
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="run dtype (both sides)"
     )
     ap.add_argument("--threads", type=int, default=2, help="torch threads (both sides)")
-    ap.add_argument("--output", type=Path, default=ROOT / "perf/results/bench_offline.json")
+    ap.add_argument(
+        "--spec",
+        type=int,
+        nargs="+",
+        metavar="K",
+        help="measure MTP speculation with these k values (include 0 for the baseline)",
+    )
+    ap.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tmp = None
@@ -186,6 +285,9 @@ def main() -> None:
         from xllm_py.assets import bundled_model
 
         model_dir = Path(bundled_model())
+    if args.spec:
+        run_spec_sweep(args, model_dir)
+        return
     rows = []
     for b in args.batch_sizes:
         ours = bench_ours(model_dir, b, args.prompt_len, args.new_tokens, args.dtype)

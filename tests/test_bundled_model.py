@@ -52,27 +52,31 @@ def test_bundled_checkpoint_layout():
 
 
 def test_greedy_matches_hf_on_held_out_sharegpt(llm):
+    """Reference: HF's forward over prompt + our continuation, in one pass (teacher
+    forcing). Every token we chose must be HF's argmax there, with the same logprob.
+    (HF's own cached `generate` drifts from its full forward on this model by up to 0.2
+    in logprob, so its step-by-step output is not used as the reference here.)"""
     from transformers import DeepseekV3ForCausalLM
 
     tok = llm.get_tokenizer()
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": p}]) for p in held_out_user_turns(4)
+        tok.apply_chat_template([{"role": "user", "content": p}]) for p in held_out_user_turns(6)
     ]
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
     ours = llm.generate(prompts, params)
-    hf = DeepseekV3ForCausalLM.from_pretrained(BUNDLED_MODEL_DIR, dtype=torch.float32).eval()
+    hf = DeepseekV3ForCausalLM.from_pretrained(
+        BUNDLED_MODEL_DIR, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     for out in ours:
-        ids = torch.tensor([out.prompt_token_ids])
+        toks = out.outputs[0].token_ids
+        ids = torch.tensor([out.prompt_token_ids + toks])
         with torch.inference_mode():
-            g = hf.generate(
-                ids,
-                max_new_tokens=32,
-                min_new_tokens=32,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert g[0, ids.shape[1] :].tolist() == out.outputs[0].token_ids
+            logprobs = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
+        p = len(out.prompt_token_ids)
+        ref = logprobs[p - 1 : p - 1 + len(toks)]
+        assert ref.argmax(dim=-1).tolist() == toks
+        for j, t in enumerate(toks):
+            assert out.outputs[0].logprobs[j][t] == pytest.approx(ref[j, t].item(), abs=1e-4)
 
 
 def test_chat_reply_is_text_and_stops_at_eos(llm):
