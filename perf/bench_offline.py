@@ -255,7 +255,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "--model", type=Path, help="checkpoint dir (default: build the DESIGN.md probe shape)"
+        "--model", type=Path, help="checkpoint dir (default: the bundled model)"
+    )
+    ap.add_argument(
+        "--random-model",
+        action="store_true",
+        help="build and use a random model of the DESIGN.md probe shape instead",
     )
     ap.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[1, 32], help="concurrent sequences"

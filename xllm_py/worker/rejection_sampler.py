@@ -35,6 +35,8 @@ def verify(
     """logits [R, V] for all verification rows, request after request (request i owns
     row_counts[i] = len(drafts[i]) + 1 consecutive rows). draft_probs [sum k, V]: q of each
     draft, None for greedy (one-hot) drafts. Returns the emitted tokens per request."""
+    if batch.all_greedy and draft_probs is None:
+        return _verify_greedy(sampler.greedy(logits, batch).tolist(), row_counts, drafts)
     probs = sampler.probabilities(logits, batch)  # [R, V]; one-hot on greedy rows
     starts = [0]
     for c in row_counts[:-1]:
@@ -74,4 +76,19 @@ def verify(
             emitted.append(bonus[i])
         out.append(emitted)
         d_at += len(d)
+    return out
+
+
+def _verify_greedy(argmax: list[int], row_counts: list[int], drafts: list[list[int]]):
+    """All rows greedy: keep drafts while they equal the target's argmax, then its argmax.
+    (What the general path computes with one-hot p, without building [R, V] tensors.)"""
+    out, row = [], 0
+    for count, d in zip(row_counts, drafts):
+        emitted = []
+        for j in range(count):
+            emitted.append(argmax[row + j])
+            if j == len(d) or d[j] != argmax[row + j]:
+                break
+        out.append(emitted)
+        row += count
     return out

@@ -59,6 +59,11 @@ class Sampler:
             tokens = torch.where(batch.greedy, greedy_tokens, (probs / noise).argmax(dim=-1))
         return (tokens, *logprob_details(logprobs, tokens, batch.max_logprobs))
 
+    def greedy(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Argmax per row after the min_tokens bans [R]."""
+        _ban(logits, batch)
+        return logits.argmax(dim=-1)
+
     def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The distribution each row samples from [R, V]: one-hot on greedy rows."""
         _ban(logits, batch)
