@@ -11,8 +11,9 @@ is always filled up to the verified length):
 For k > 1 the same layer (layer `step mod n` with n MTP layers) runs again,
 one position further, on its own block state and its own draft token. The
 state is chained *before* `shared_head.norm` (vLLM's choice; SGLang chains
-after it): CHAIN_AFTER_NORM switches, and tools/eval_mtp_agreement.py-style
-measurements on the bundled model decide the default.
+after it): CHAIN_AFTER_NORM switches. On the bundled model (8 held-out ShareGPT
+prompts, batch 8, k = 3, 48 tokens) both gave the same mean acceptance length
+(2.09 before vs 2.11 after, within noise), so the default stays vLLM's.
 
 Draft positions live in the request's own blocks: the scheduler reserves k
 look-ahead slots, and entries written for drafts that are later rejected are
