@@ -72,17 +72,7 @@ def test_seeded_requests_repeat_whatever_the_batch():
 def test_greedy_rows_verify_like_plain_greedy():
     sampler = Sampler(torch.Generator().manual_seed(4))
     logits = logits_for(3)
-    greedy = SamplingBatch(
-        temperature=None,
-        greedy=None,
-        all_greedy=True,
-        top_k=None,
-        top_p=None,
-        min_p=None,
-        seeds=[],
-        banned=[],
-        max_logprobs=None,
-    )
+    greedy = SamplingBatch.greedy_rows()
     out = verify(sampler, logits, greedy, [2, 2, 2], [[0], [1], [3]])
     # argmax of P0 is 0: draft 0 accepted, then argmax of P1 (3); others corrected to 0
     assert out == [[0, 3], [0], [0]]
@@ -92,17 +82,7 @@ def test_general_path_with_greedy_rows_matches_the_greedy_fast_path():
     sampler = Sampler(torch.Generator().manual_seed(5))
     logits = torch.randn(9, 4)
     drafts = [[2, 1], [0, 3], [1, 1]]
-    fast = SamplingBatch(
-        temperature=None,
-        greedy=None,
-        all_greedy=True,
-        top_k=None,
-        top_p=None,
-        min_p=None,
-        seeds=[],
-        banned=[],
-        max_logprobs=None,
-    )
+    fast = SamplingBatch.greedy_rows()
     general = batch(9)
     general.greedy = torch.ones(9, dtype=torch.bool)  # greedy rows through the [R, V] path
     a = verify(sampler, logits.clone(), fast, [3, 3, 3], drafts)

@@ -227,19 +227,10 @@ class ModelRunner:
                 ) + r.sampling.stop_token_ids
                 if ids:
                     banned.append((row, ids))
-        batch = SamplingBatch(
-            temperature=None,
-            greedy=None,
-            all_greedy=all_greedy,
-            top_k=None,
-            top_p=None,
-            min_p=None,
-            seeds=[],
-            banned=banned,
-            max_logprobs=max(wants) if wants else None,
-        )
+        batch = SamplingBatch.greedy_rows(banned, max(wants) if wants else None)
         if all_greedy:
             return batch
+        batch.all_greedy = False
         batch.greedy = torch.tensor([p.greedy for p in params], device=dev)
         batch.temperature = torch.tensor(
             [1.0 if p.greedy else p.temperature for p in params], device=dev

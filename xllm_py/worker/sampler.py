@@ -35,6 +35,11 @@ class SamplingBatch:
     banned: list[tuple[int, list[int]]]  # (row, token ids masked for min_tokens)
     max_logprobs: int | None  # largest N requested, None if no row wants logprobs
 
+    @classmethod
+    def greedy_rows(cls, banned=(), max_logprobs: int | None = None) -> SamplingBatch:
+        """A batch in which every row is greedy: no per-row tensors are needed."""
+        return cls(None, None, True, None, None, None, [], list(banned), max_logprobs)
+
 
 def token_seed(seed: int, output_index: int) -> int:
     return (seed + (output_index + 1) * _SEED_STRIDE) % (1 << 63)
