@@ -47,3 +47,25 @@ def test_speculative_output_identical_on_sharegpt(prompts, baseline, batch, k):
     assert m.drafts > 0 and 0.3 < m.acceptance_rate <= 1.0  # the MTP head really predicts
     blocks = llm.engine.core.blocks
     assert blocks.num_free_blocks == blocks.num_blocks
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(enable_chunked_prefill=True, max_tokens_per_batch=64),
+        dict(enable_prefix_cache=True),
+        dict(max_cache_size=40 * 9 * 16 * 96 * 4),  # 40 blocks of 16 for 9 cache layers
+    ],
+    ids=["chunked-prefill", "prefix-cache", "preemption"],
+)
+def test_speculative_output_identical_under_batching_variants(prompts, baseline, kw):
+    n = 24  # shared chat-template prefix: prefix-cache hits happen
+    llm = LLM(dtype="float32", block_size=16, max_seqs_per_batch=16, num_speculative_tokens=2, **kw)
+    for _ in range(2 if kw.get("enable_prefix_cache") else 1):  # 2nd pass: cached prompts
+        outs = llm.generate(prompts[:n], PARAMS)
+        assert [o.outputs[0].token_ids for o in outs] == baseline[:n]
+    st = llm.get_stats()
+    if "max_cache_size" in kw:
+        assert st.num_preemptions > 0
+    if kw.get("enable_prefix_cache"):
+        assert st.prefix_cache_hits > 0
