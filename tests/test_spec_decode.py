@@ -189,3 +189,10 @@ def test_acceptance_is_logged_periodically(ckpt, prompts, baseline, caplog, monk
     with caplog.at_level(logging.INFO, logger="xllm_py.engine.llm_engine"):
         llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert any("acceptance rate 1.00" in r.getMessage() for r in caplog.records)
+
+
+def test_draft_device_must_be_the_target_device(ckpt):
+    with pytest.raises(ValueError, match="draft_devices='cuda:1' must equal devices='cpu'"):
+        LLM(model=str(ckpt), device="cpu", num_speculative_tokens=1, draft_device="cuda:1")
+    llm = LLM(model=str(ckpt), dtype="float32", num_speculative_tokens=1, draft_device="cpu")
+    assert llm.engine.core.executor.worker.draft is not None

@@ -329,6 +329,9 @@ class SpecConfig:
     # Above this many running requests, steps verify no drafts (plain decoding): at high
     # concurrency verifying k + 1 tokens per request can cost more than it saves. 0 = never.
     speculative_disable_batch_size: int = 0
+    # The draft shares the target's embedding, head and KV blocks, so it must live on the
+    # target's device (xLLM's --draft_devices); None = the target's.
+    draft_device: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= 16:
@@ -392,6 +395,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         k = self.spec.num_speculative_tokens
+        draft_device = self.spec.draft_device
+        if draft_device is not None and draft_device != self.device.device:
+            raise ValueError(
+                f"draft_devices={draft_device!r} must equal devices={self.device.device!r}: the "
+                "MTP draft shares the target's embedding, head and KV cache blocks"
+            )
         if self.cache.num_lookahead_tokens != k:  # k draft slots reserved ahead of each request
             object.__setattr__(self, "cache", replace(self.cache, num_lookahead_tokens=k))
         if self.scheduler.max_model_len > self.model.max_position_embeddings:

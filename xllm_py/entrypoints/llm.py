@@ -45,6 +45,7 @@ class LLM:
         num_speculative_tokens: int = 0,
         draft_model: str | None = None,
         speculative_disable_batch_size: int = 0,
+        draft_device: str | None = None,
     ) -> None:
         model = model or bundled_model()
         config = EngineConfig(
@@ -66,6 +67,7 @@ class LLM:
                 num_speculative_tokens=num_speculative_tokens,
                 draft_model=draft_model,
                 speculative_disable_batch_size=speculative_disable_batch_size,
+                draft_device=draft_device,
             ),
         )
         self.engine = LLMEngine(config)
