@@ -196,3 +196,21 @@ def test_draft_device_must_be_the_target_device(ckpt):
         LLM(model=str(ckpt), device="cpu", num_speculative_tokens=1, draft_device="cuda:1")
     llm = LLM(model=str(ckpt), dtype="float32", num_speculative_tokens=1, draft_device="cpu")
     assert llm.engine.core.executor.worker.draft is not None
+
+
+def test_logprobs_with_drafts_match_plain_decoding(ckpt, prompts, baseline):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = LLM(model=str(ckpt), dtype="float32", block_size=16).generate(
+        [{"prompt_token_ids": p} for p in prompts], params
+    )
+    llm = LLM(model=str(ckpt), dtype="float32", block_size=16, num_speculative_tokens=2)
+    with_oracle(llm, prompts, baseline, 2)
+    spec = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert llm.get_metrics().accepted_tokens > 0
+    for a, b in zip(plain, spec):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(b.outputs[0].logprobs) == 12
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert la[t] == pytest.approx(lb[t], abs=1e-4)
