@@ -161,6 +161,8 @@ def test_checkpoint_without_tokenizer_needs_token_ids(tmp_path, tiny_model_dir, 
     assert len(out[0].outputs[0].token_ids) >= 1 and out[0].outputs[0].text == ""
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate("hello", SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="stop"):  # no tokenizer: stop strings cannot match
+        llm.generate({"prompt_token_ids": [3, 4]}, SamplingParams(max_tokens=3, stop=["x"]))
 
 
 def test_stop_strings_wait_for_min_tokens(llm):

@@ -90,7 +90,7 @@ class EngineCore:
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> None:
-        self.validate(prompt_token_ids, sampling)
+        """Queue a request that `validate` has accepted (LLMEngine validates first)."""
         req = Request(
             req_id,
             prompt_token_ids,

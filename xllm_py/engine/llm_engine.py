@@ -52,9 +52,25 @@ class LLMEngine:
         text, ids = self.tokenize_prompt(prompt)
         self.add_tokenized(req_id, text, ids, sampling)
 
+    def validate(self, ids: list[int], sampling: SamplingParams) -> None:
+        """Everything the core checks, plus what needs text: stop strings need a tokenizer."""
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError(
+                f"stop: {self.config.model.path} has no tokenizer.json, so stop strings cannot be "
+                "matched; use stop_token_ids"
+            )
+        self.core.validate(ids, sampling)
+
     def add_tokenized(
-        self, req_id: str, text: str | None, ids: list[int], sampling: SamplingParams
+        self,
+        req_id: str,
+        text: str | None,
+        ids: list[int],
+        sampling: SamplingParams,
+        validated: bool = False,
     ) -> None:
+        if not validated:
+            self.validate(ids, sampling)
         self.core.add_request(req_id, ids, sampling)
         self.states[req_id] = RequestState(req_id, text, ids, sampling, self.tokenizer)
 

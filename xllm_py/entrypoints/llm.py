@@ -96,10 +96,10 @@ class LLM:
         # Validate everything before queueing anything, so one bad prompt leaves no orphans.
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
         for (_, ids), sp in zip(tokenized, sampling_params):
-            self.engine.core.validate(ids, sp)
+            self.engine.validate(ids, sp)
         req_ids = [str(next(self._ids)) for _ in prompts]
         for rid, (text, ids), sp in zip(req_ids, tokenized, sampling_params):
-            self.engine.add_tokenized(rid, text, ids, sp)
+            self.engine.add_tokenized(rid, text, ids, sp, validated=True)
         return self._run(req_ids, use_tqdm)
 
     def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
