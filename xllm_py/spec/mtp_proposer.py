@@ -26,14 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from xllm_py.models.context import ForwardContext, forward_context
+from xllm_py.models.context import forward_context
 from xllm_py.models.deepseek_mtp import DeepseekV3MTP
-from xllm_py.worker.attention_layout import (
-    RequestLayout,
-    block_table_tensor,
-    build_groups,
-    slot_mapping,
-)
+from xllm_py.worker.attention_layout import RequestLayout, build_context
 
 CHAIN_AFTER_NORM = False
 
@@ -125,13 +120,7 @@ class MTPProposer:
         return item.start + len(item.rows) - 1  # the request's last verified position
 
     def _run(self, ids, positions, hidden, layouts: list[RequestLayout], step: int) -> torch.Tensor:
-        dev = self.device
-        pos = torch.tensor(positions, device=dev)
-        table = block_table_tensor(layouts, dev)
-        row_req = torch.tensor(
-            [i for i, lay in enumerate(layouts) for _ in range(lay.q_len)], device=dev
-        )
-        slots = slot_mapping(table, row_req, pos, self.block_size)
-        groups = build_groups(layouts, table, self.block_size, len(positions), self.dtype)
-        with forward_context(ForwardContext(slots, groups, self.kv_caches)):
-            return self.draft(torch.tensor(ids, device=dev), pos, hidden, step)
+        pos = torch.tensor(positions, device=self.device)
+        ctx = build_context(layouts, pos, self.kv_caches, self.block_size, self.dtype)
+        with forward_context(ctx):
+            return self.draft(torch.tensor(ids, device=self.device), pos, hidden, step)

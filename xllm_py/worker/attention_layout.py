@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xllm_py.models.context import AttnGroup
+from xllm_py.models.context import AttnGroup, ForwardContext
 
 ABSORB_MAX_Q = 8
 
@@ -106,3 +106,21 @@ def _group(
         batch=B,
         q_len=Q,
     )
+
+
+def build_context(
+    layouts: list[RequestLayout],
+    positions: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    block_size: int,
+    dtype: torch.dtype,
+) -> ForwardContext:
+    """The forward context of one pass over `layouts` (rows in layout order, `positions` [T])."""
+    dev = positions.device
+    table = block_table_tensor(layouts, dev)
+    row_req = torch.tensor(
+        [i for i, lay in enumerate(layouts) for _ in range(lay.q_len)], device=dev
+    )
+    slots = slot_mapping(table, row_req, positions, block_size)
+    groups = build_groups(layouts, table, block_size, len(positions), dtype)
+    return ForwardContext(slots, groups, kv_caches)

@@ -18,15 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from xllm_py.executor.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from xllm_py.models.context import ForwardContext, forward_context
+from xllm_py.models.context import forward_context
 from xllm_py.sampling_params import SamplingParams
 from xllm_py.spec.mtp_proposer import MTPProposer, ProposeInput
-from xllm_py.worker.attention_layout import (
-    RequestLayout,
-    block_table_tensor,
-    build_groups,
-    slot_mapping,
-)
+from xllm_py.worker.attention_layout import RequestLayout, build_context
 from xllm_py.worker.rejection_sampler import verify
 from xllm_py.worker.sampler import Sampler, SamplingBatch, logprob_details, token_seed
 
@@ -91,7 +86,6 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [], [])
         input_ids: list[int] = []
         positions: list[int] = []
-        row_req: list[int] = []
         layouts: list[RequestLayout] = []
         sample_rows: list[int] = []
         sample_reqs: list[tuple[int, int]] = []  # (request index, output offset) per sample row
@@ -104,13 +98,12 @@ class ModelRunner:
             input_ids.extend(req.token_ids[s : s + known])
             input_ids.extend(drafts)
             positions.extend(range(s, s + n))
-            row_req.extend([i] * n)
             layouts.append(RequestLayout(start, n, s + n, req.block_ids))
             if s + known == len(req.token_ids):  # every row from the last verified token on
                 for j in range(len(drafts) + 1):  # samples the token after it
                     sample_rows.append(start + known - 1 + j)
                     sample_reqs.append((i, j))
-        hidden = self._forward(input_ids, positions, row_req, layouts)
+        hidden = self._forward(input_ids, positions, layouts)
         if len(sample_rows) == len(input_ids):
             logits = self.model.compute_logits(hidden)
         else:
@@ -122,15 +115,11 @@ class ModelRunner:
             out.draft_token_ids = self._propose(req_ids, sched, layouts, out, hidden)
         return out
 
-    def _forward(self, input_ids, positions, row_req, layouts) -> torch.Tensor:
-        dev = self.device
-        ids = torch.tensor(input_ids, device=dev)
-        pos = torch.tensor(positions, device=dev)
-        table = block_table_tensor(layouts, dev)
-        slots = slot_mapping(table, torch.tensor(row_req, device=dev), pos, self.block_size)
-        groups = build_groups(layouts, table, self.block_size, len(input_ids), self.dtype)
-        with forward_context(ForwardContext(slots, groups, self.kv_caches)):
-            return self.model(ids, pos)
+    def _forward(self, input_ids, positions, layouts) -> torch.Tensor:
+        pos = torch.tensor(positions, device=self.device)
+        ctx = build_context(layouts, pos, self.kv_caches, self.block_size, self.dtype)
+        with forward_context(ctx):
+            return self.model(torch.tensor(input_ids, device=self.device), pos)
 
     def _sample(
         self,
