@@ -165,28 +165,15 @@ def bench_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtyp
     }
 
 
-def sharegpt_prompts(n: int) -> list[str]:
-    """First user turns of held-out ShareGPT conversations (the bundled model never saw them)."""
-    from xllm_py.sharegpt import iter_conversations, turns
-
-    out = []
-    for i, conv in enumerate(iter_conversations()):
-        t = turns(conv)
-        if i % 50 == 0 and t and t[0][0] == "user" and 20 < len(t[0][1]) < 1500:
-            out.append(t[0][1])
-            if len(out) == n:
-                break
-    return out
-
-
 def bench_spec(model_dir: Path, batch: int, k: int, new_tokens: int, dtype: str) -> dict:
     from xllm_py import LLM, SamplingParams
+    from xllm_py.sharegpt import held_out_user_turns
 
     llm = LLM(model=str(model_dir), dtype=dtype, max_seqs_per_batch=batch, num_speculative_tokens=k)
     tok = llm.get_tokenizer()
     texts = [
         tok.apply_chat_template([{"role": "user", "content": p}])
-        for p in sharegpt_prompts(batch + 2)
+        for p in held_out_user_turns(batch + 2, 20, 1500)
     ]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(texts[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
@@ -254,9 +241,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument(
-        "--model", type=Path, help="checkpoint dir (default: the bundled model)"
-    )
+    ap.add_argument("--model", type=Path, help="checkpoint dir (default: the bundled model)")
     ap.add_argument(
         "--random-model",
         action="store_true",

@@ -10,22 +10,12 @@ import json
 import pytest
 import torch
 
-from xllm_py import LLM, SamplingParams
+from xllm_py import LLM, SamplingParams, sharegpt
 from xllm_py.assets import BUNDLED_MODEL_DIR
-from xllm_py.sharegpt import iter_conversations, turns
-
-HELD_OUT_EVERY = 50  # tools/train_tiny_model.py holds out every 50th conversation
 
 
 def held_out_user_turns(n: int) -> list[str]:
-    out = []
-    for i, conv in enumerate(iter_conversations()):
-        t = turns(conv)
-        if i % HELD_OUT_EVERY == 0 and t and t[0][0] == "user" and 20 < len(t[0][1]) < 600:
-            out.append(t[0][1])
-        if len(out) == n:
-            return out
-    return out
+    return sharegpt.held_out_user_turns(n, 20, 600)
 
 
 @pytest.fixture(scope="module")

@@ -27,22 +27,9 @@ from safetensors import safe_open
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tools.train_tiny_model import HELD_OUT_EVERY, MTPLayer  # noqa: E402
-from xllm_py.sharegpt import iter_conversations, turns  # noqa: E402
+from tools.train_tiny_model import MTPLayer  # noqa: E402
+from xllm_py.sharegpt import held_out_user_turns  # noqa: E402
 from xllm_py.weights.loader import tensor_files  # noqa: E402
-
-
-def held_out_prompts(n: int) -> list[str]:
-    out = []
-    for i, conv in enumerate(iter_conversations()):
-        if i % HELD_OUT_EVERY:
-            continue
-        t = turns(conv)
-        if t and t[0][0] == "user" and 0 < len(t[0][1]) < 2000:
-            out.append(t[0][1])
-        if len(out) == n:
-            break
-    return out
 
 
 def load_mtp(model_dir: Path, cfg) -> MTPLayer:
@@ -89,7 +76,7 @@ def evaluate(model_dir: Path, n_prompts: int, new_tokens: int, show: int) -> dic
     eos = cfg.eos_token_id
     agree = total = 0
     samples = []
-    for k, prompt in enumerate(held_out_prompts(n_prompts)):
+    for k, prompt in enumerate(held_out_user_turns(n_prompts, 0, 2000)):
         text = f"<|bos|><|user|>\n{prompt}\n<|assistant|>\n"
         ids = tok.encode(text, add_special_tokens=False).ids[-512:]
         gen = model.generate(

@@ -41,7 +41,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from xllm_py.sharegpt import iter_conversations, turns  # noqa: E402
+from xllm_py.sharegpt import HELD_OUT_EVERY, iter_conversations, turns  # noqa: E402
 
 SPECIAL = ["<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>", "<|pad|>"]
 CHAT_TEMPLATE = (
@@ -51,7 +51,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 MTP_LOSS_WEIGHT = 0.3
-HELD_OUT_EVERY = 50
 
 MODEL_CONFIG = dict(
     architectures=["DeepseekV3ForCausalLM"],

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import IO
 
 _CHUNK = 1 << 20
+HELD_OUT_EVERY = 50  # tools/train_tiny_model.py trains on every other conversation
 
 
 def _open_packaged() -> IO[str]:
@@ -66,4 +67,19 @@ def turns(conv: dict) -> list[tuple[str, str]]:
         role = roles.get(t.get("from", ""))
         if role and isinstance(t.get("value"), str):
             out.append((role, t["value"]))
+    return out
+
+
+def held_out_user_turns(n: int, min_chars: int, max_chars: int) -> list[str]:
+    """The first user turn of held-out conversations (every HELD_OUT_EVERY-th, never trained
+    on), keeping those with min_chars < length < max_chars, up to n of them."""
+    out: list[str] = []
+    for i, conv in enumerate(iter_conversations()):
+        if i % HELD_OUT_EVERY:
+            continue
+        t = turns(conv)
+        if t and t[0][0] == "user" and min_chars < len(t[0][1]) < max_chars:
+            out.append(t[0][1])
+            if len(out) == n:
+                break
     return out
