@@ -25,7 +25,7 @@ test: setup
 	$(VPY) -m pytest tests
 
 serve: setup
-	$(VPY) -m xllm_py serve
+	$(VPY) -m xllm_py --num_speculative_tokens=1 $(ARGS)
 
 lint: setup
 	$(VPY) -m ruff check xllm_py tests perf tools

@@ -178,12 +178,11 @@ def bench_spec(model_dir: Path, batch: int, k: int, new_tokens: int, dtype: str)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(texts[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
     before = llm.get_metrics()
-    drafts0, acc0 = before.drafts, before.accepted_tokens
     t0 = time.perf_counter()
     outs = llm.generate(texts[2:], params)
     dt = time.perf_counter() - t0
     m = llm.get_metrics()
-    drafts, accepted = m.drafts - drafts0, m.accepted_tokens - acc0
+    drafts, accepted = m.drafts - before.drafts, m.accepted_tokens - before.accepted_tokens
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "batch": batch,

@@ -77,9 +77,11 @@ def test_mtp_drafts_are_lossless(ckpt, prompts, baseline, k):
 def test_oracle_draft_is_always_accepted(ckpt, prompts, baseline, k):
     llm = LLM(model=str(ckpt), dtype="float32", block_size=16, num_speculative_tokens=k)
     with_oracle(llm, prompts, baseline, k)
+    before = llm.get_metrics()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == baseline
     m = llm.get_metrics()
+    assert before.drafts == 0 and before.accepted_tokens == 0  # a snapshot, not a live view
     assert m.acceptance_rate == pytest.approx(1.0)
     assert m.accepted_per_position[0] == m.drafts
     # every pass carries k drafts except, per request, the last (capped by max_tokens)

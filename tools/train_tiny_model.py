@@ -265,34 +265,44 @@ class BiasBalancer:
 # ---- checkpoint layout --------------------------------------------------------------------------
 
 
-def checkpoint_tensors(model, mtp, n_layers: int) -> dict[str, torch.Tensor]:
+def _unstack_experts(prefix: str, state: dict[str, torch.Tensor], out: dict) -> None:
     """HF in-memory names (stacked experts) -> DeepSeek-V3 checkpoint names (one per expert)."""
+    for k, v in state.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            base, inter = k[: -len("gate_up_proj")], v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{prefix}{base}{e}.gate_proj.weight"] = v[e, :inter]
+                out[f"{prefix}{base}{e}.up_proj.weight"] = v[e, inter:]
+        elif k.endswith("mlp.experts.down_proj"):
+            base = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{prefix}{base}{e}.down_proj.weight"] = v[e]
+        else:
+            out[prefix + k] = v
+
+
+def mtp_checkpoint_tensors(mtp, n_layers: int) -> dict[str, torch.Tensor]:
+    """The MTP module's own tensors under model.layers.{n_layers}.* (without the shared
+    embedding and head copies)."""
     out: dict[str, torch.Tensor] = {}
-
-    def put(prefix: str, state: dict[str, torch.Tensor]) -> None:
-        for k, v in state.items():
-            if k.endswith("mlp.experts.gate_up_proj"):
-                base, inter = k[: -len("gate_up_proj")], v.shape[1] // 2
-                for e in range(v.shape[0]):
-                    out[f"{prefix}{base}{e}.gate_proj.weight"] = v[e, :inter]
-                    out[f"{prefix}{base}{e}.up_proj.weight"] = v[e, inter:]
-            elif k.endswith("mlp.experts.down_proj"):
-                base = k[: -len("down_proj")]
-                for e in range(v.shape[0]):
-                    out[f"{prefix}{base}{e}.down_proj.weight"] = v[e]
-            else:
-                out[prefix + k] = v
-
-    put("", model.state_dict())
     m = f"model.layers.{n_layers}."
     state = {
         k.replace("block.", "", 1): v for k, v in mtp.state_dict().items() if k.startswith("block.")
     }
-    put(m, state)
+    _unstack_experts(m, state, out)
     out[m + "enorm.weight"] = mtp.enorm.weight
     out[m + "hnorm.weight"] = mtp.hnorm.weight
     out[m + "eh_proj.weight"] = mtp.eh_proj.weight
     out[m + "shared_head.norm.weight"] = mtp.head_norm.weight
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def checkpoint_tensors(model, mtp, n_layers: int) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, under DeepSeek-V3's names."""
+    out: dict[str, torch.Tensor] = {}
+    _unstack_experts("", model.state_dict(), out)
+    out.update(mtp_checkpoint_tensors(mtp, n_layers))
+    m = f"model.layers.{n_layers}."
     out[m + "shared_head.head.weight"] = model.lm_head.weight  # copies, as DeepSeek-V3 ships them
     out[m + "embed_tokens.weight"] = model.model.embed_tokens.weight
     return {k: v.detach().contiguous() for k, v in out.items()}

@@ -1,40 +1,292 @@
-"""The `xllm` command.
+"""The `xllm` command (also `python -m xllm_py`): the OpenAI-compatible serving daemon.
 
-The OpenAI-compatible REST daemon (xLLM-style flags: --model, --devices,
---port, --num_speculative_tokens, ...) is not implemented yet; until it is,
-this command says so and exits non-zero. Use the offline API meanwhile:
-`from xllm_py import LLM, SamplingParams`.
+Flags follow xLLM's names and accept `--flag=value` or `--flag value`;
+booleans take `--flag=true|false` (a bare `--flag` means true). Without
+`--model` it serves the bundled tiny DeepSeek-V3 + MTP checkpoint.
+
+    xllm --model /models/DeepSeek-V3 --devices=cuda:0 --port 9977 \\
+         --draft_model /models/DeepSeek-V3-MTP --draft_devices=cuda:0 --num_speculative_tokens 1
+
+Exit status: 0 after a clean shutdown (SIGTERM/SIGINT: stop accepting, let
+in-flight requests finish for --shutdown_timeout seconds, abort the rest);
+1 when the engine failed (in-flight requests get an error first); 2 for bad flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
+import threading
 
-NOT_YET = (
-    "xllm: the REST serving daemon is not implemented yet (it is the next milestone).\n"
-    "Use the offline API meanwhile:\n"
-    "    from xllm_py import LLM, SamplingParams\n"
-    "    LLM(model=PATH).generate(prompts, SamplingParams(max_tokens=64))"
-)
+DEFAULT_PORT = 8000
+FAILURE_EXIT_DELAY_S = 2.0
+logger = logging.getLogger("xllm")
+
+
+def parse_bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    v = value.strip().lower()
+    if v in ("true", "1", "yes", "on"):
+        return True
+    if v in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="xllm",
+        description=__doc__.split("\n\n")[0]
+        + ". Serves /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("command", nargs="?", default="serve", choices=["serve"], help="what to run")
+
+    def flag(name, **kw):
+        p.add_argument(f"--{name}", **kw)
+
+    def boolean(name, default, help):
+        flag(
+            name, type=parse_bool, nargs="?", const=True, default=default, metavar="BOOL", help=help
+        )
+
+    g = "model and devices: "
+    flag(
+        "model",
+        default=None,
+        help=g + "checkpoint directory (config.json, safetensors, "
+        "tokenizer); default: the bundled tiny DeepSeek-V3 + MTP model",
+    )
+    flag(
+        "served_model_name",
+        default=None,
+        help="the model name clients send and /v1/models lists; default: the directory name",
+    )
+    flag(
+        "devices",
+        default="cpu",
+        help="device of this process: cpu, cuda:N or npu:N (one device per process)",
+    )
+    flag(
+        "dtype",
+        default="auto",
+        help="float32, bfloat16 or float16; auto = bfloat16 on accelerators and on CPUs "
+        "with native bf16, else float32",
+    )
+    boolean("enable_mla", True, "use MLA attention (required: DeepSeek-V3 has only MLA)")
+
+    flag("host", default="127.0.0.1", help="address the HTTP server binds to")
+    flag("port", type=int, default=DEFAULT_PORT, help="HTTP port of the OpenAI-compatible API")
+    flag(
+        "api_key",
+        default=os.environ.get("XLLM_API_KEY"),
+        help="if set, /v1/* requires 'Authorization: Bearer KEY' (env XLLM_API_KEY)",
+    )
+    flag(
+        "max_concurrent_requests",
+        type=int,
+        default=256,
+        help="HTTP requests in flight before new ones get 429",
+    )
+    flag("max_request_body_bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    flag(
+        "shutdown_timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may take before they are aborted",
+    )
+
+    flag(
+        "draft_model",
+        default=None,
+        help="checkpoint holding the MTP layer (e.g. from tools/export_deepseek_mtp.py); "
+        "default: the MTP layer inside --model",
+    )
+    flag("draft_devices", default=None, help="device of the draft; must equal --devices")
+    flag(
+        "num_speculative_tokens",
+        type=int,
+        default=0,
+        help="MTP draft tokens per step (0 = speculative decoding off)",
+    )
+    flag(
+        "speculative_disable_batch_size",
+        type=int,
+        default=0,
+        help="above this many running requests, decode without drafts (0 = never)",
+    )
+
+    flag("block_size", type=int, default=128, help="tokens per KV cache block")
+    flag(
+        "max_memory_utilization",
+        type=float,
+        default=0.9,
+        help="fraction of device memory for weights + KV cache (when --max_cache_size is 0)",
+    )
+    flag(
+        "max_cache_size",
+        type=int,
+        default=0,
+        help="KV cache size in bytes (0 = derive from --max_memory_utilization)",
+    )
+    flag("max_tokens_per_batch", type=int, default=8192, help="tokens per engine step")
+    flag("max_seqs_per_batch", type=int, default=256, help="requests per engine step")
+    flag(
+        "max_model_len",
+        type=int,
+        default=0,
+        help="context length limit (0 = the model's max_position_embeddings)",
+    )
+    boolean("enable_prefix_cache", True, "reuse KV blocks of shared prompt prefixes")
+    boolean("enable_chunked_prefill", True, "split long prompts across steps")
+    flag("seed", type=int, default=0, help="seed of the sampler's default generator")
+
+    g = "cluster (one process per device; multi-process serving is not implemented yet): "
+    flag("master_node_addr", default=None, help=g + "host:port of node 0's coordination service")
+    flag("nnodes", type=int, default=1, help=g + "number of processes")
+    flag("node_rank", type=int, default=0, help=g + "this process's rank (0 = master)")
+    flag("ep_size", type=int, default=1, help=g + "expert-parallel size")
+    flag("dp_size", type=int, default=1, help=g + "data-parallel replicas")
+    flag(
+        "log_level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging level",
+    )
+    return p
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """One line naming the flag for every combination that cannot run."""
+
+    def bad(msg: str) -> None:
+        raise ValueError(msg)
+
+    if not a.enable_mla:
+        bad("--enable_mla=false: DeepSeek-V3 models use MLA attention; it must be true")
+    if "," in a.devices:
+        bad(f"--devices={a.devices}: one device per process (start one process per device)")
+    if a.draft_devices is not None and a.draft_devices != a.devices:
+        bad(f"--draft_devices={a.draft_devices} must equal --devices={a.devices}")
+    if a.num_speculative_tokens < 0:
+        bad(f"--num_speculative_tokens={a.num_speculative_tokens}: must be >= 0")
+    if not 0 < a.port < 65536:
+        bad(f"--port={a.port}: must be in 1..65535")
+    for name in (
+        "max_concurrent_requests",
+        "max_request_body_bytes",
+        "block_size",
+        "max_tokens_per_batch",
+        "max_seqs_per_batch",
+        "nnodes",
+        "ep_size",
+        "dp_size",
+    ):
+        if getattr(a, name) < 1:
+            bad(f"--{name}={getattr(a, name)}: must be >= 1")
+    if not 0 <= a.node_rank < a.nnodes:
+        bad(f"--node_rank={a.node_rank}: must be in 0..nnodes-1 (--nnodes={a.nnodes})")
+    if a.nnodes > 1 or a.ep_size > 1 or a.dp_size > 1:
+        bad(
+            f"--nnodes={a.nnodes} --ep_size={a.ep_size} --dp_size={a.dp_size}: multi-process "
+            "serving (master + workers) is not implemented yet; run with --nnodes=1"
+        )
+
+
+def serve(a: argparse.Namespace) -> int:
+    import asyncio
+
+    import uvicorn
+
+    from xllm_py.assets import bundled_model
+    from xllm_py.engine.llm_engine import LLMEngine
+    from xllm_py.entrypoints.api_server import ServerOptions, build_app
+    from xllm_py.entrypoints.async_engine import AsyncEngine
+    from xllm_py.entrypoints.llm import engine_config
+    from xllm_py.entrypoints.server_metrics import ServerMetrics
+
+    model = a.model or bundled_model()
+    config = engine_config(
+        model,
+        device=a.devices,
+        dtype=a.dtype,
+        block_size=a.block_size,
+        max_memory_utilization=a.max_memory_utilization,
+        max_cache_size=a.max_cache_size,
+        enable_prefix_cache=a.enable_prefix_cache,
+        enable_chunked_prefill=a.enable_chunked_prefill,
+        max_tokens_per_batch=a.max_tokens_per_batch,
+        max_seqs_per_batch=a.max_seqs_per_batch,
+        max_model_len=a.max_model_len,
+        seed=a.seed,
+        num_speculative_tokens=a.num_speculative_tokens,
+        draft_model=a.draft_model,
+        speculative_disable_batch_size=a.speculative_disable_batch_size,
+        draft_device=a.draft_devices,
+    )
+    name = a.served_model_name or os.path.basename(os.path.normpath(str(model)))
+    engine = AsyncEngine(LLMEngine(config))
+    metrics = ServerMetrics(name)
+    metrics.attach(engine)
+    app = build_app(
+        engine,
+        ServerOptions(name, a.api_key, a.max_concurrent_requests, a.max_request_body_bytes),
+        metrics,
+    )
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            engine.draining = True  # /health turns 503 while in-flight requests finish
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises the signal after shutting down (exit status -15); a drained
+            # shutdown is a clean one here, so the process exits 0 instead.
+            getattr(self, "_captured_signals", []).clear()
+
+    server = Server(
+        uvicorn.Config(
+            app,
+            host=a.host,
+            port=a.port,
+            log_level=a.log_level,
+            timeout_graceful_shutdown=a.shutdown_timeout,
+            access_log=a.log_level == "debug",
+        )
+    )
+
+    def on_failure(error: BaseException) -> None:
+        # /health answers 503 for a moment (probes see why), then the process exits 1.
+        logger.error("engine failed (%s); exiting in %.0f s", error, FAILURE_EXIT_DELAY_S)
+        threading.Timer(FAILURE_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
+
+    engine.on_failure = on_failure
+    engine.start()
+    spec = f", MTP k={a.num_speculative_tokens}" if a.num_speculative_tokens else ""
+    logger.info("serving %s (%s%s) at http://%s:%d/v1", name, model, spec, a.host, a.port)
+    try:
+        asyncio.run(server.serve())
+    finally:
+        engine.draining = True
+        engine.shutdown()
+    if engine.dead is not None:
+        return 1
+    return 0 if server.started else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="xllm",
-        description="Serve a DeepSeek-V3-family model with MTP speculative decoding (not yet: "
-        "the REST daemon is the next milestone; this command only reports that).",
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    parser.add_argument(
-        "command",
-        nargs="?",
-        default="serve",
-        choices=["serve"],
-        help="what to run (only 'serve', which is not implemented yet)",
-    )
-    parser.parse_args(argv)
-    print(NOT_YET, file=sys.stderr)
-    return 2
+    try:
+        check_args(args)
+        return serve(args)
+    except (ValueError, FileNotFoundError) as e:  # configuration errors: one line, exit 2
+        print(f"xllm: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

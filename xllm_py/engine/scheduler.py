@@ -237,5 +237,5 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.blocks.prefix_queries,
             prefix_cache_hits=self.blocks.prefix_hits,
-            spec=self.spec_stats,
+            spec=self.spec_stats.snapshot(),
         )

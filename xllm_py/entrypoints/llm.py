@@ -27,49 +27,55 @@ from xllm_py.engine.outputs import RequestOutput
 from xllm_py.sampling_params import SamplingParams
 
 
+def engine_config(
+    model: str | None = None,
+    device: str = "cpu",
+    dtype: str = "auto",
+    block_size: int = 128,
+    max_memory_utilization: float = 0.9,
+    max_cache_size: int = 0,
+    enable_prefix_cache: bool = True,
+    enable_chunked_prefill: bool = True,
+    max_tokens_per_batch: int = 8192,
+    max_seqs_per_batch: int = 256,
+    max_model_len: int = 0,
+    seed: int = 0,
+    num_speculative_tokens: int = 0,
+    draft_model: str | None = None,
+    speculative_disable_batch_size: int = 0,
+    draft_device: str | None = None,
+) -> EngineConfig:
+    """The engine's configuration from flat options (the offline API and the CLI share it).
+    No model means the bundled one."""
+    return EngineConfig(
+        model=ModelConfig.from_pretrained(model or bundled_model()),
+        cache=CacheConfig(
+            block_size=block_size,
+            max_memory_utilization=max_memory_utilization,
+            max_cache_size=max_cache_size,
+            enable_prefix_cache=enable_prefix_cache,
+        ),
+        scheduler=SchedulerConfig(
+            max_tokens_per_batch=max_tokens_per_batch,
+            max_seqs_per_batch=max_seqs_per_batch,
+            enable_chunked_prefill=enable_chunked_prefill,
+            max_model_len=max_model_len,
+        ),
+        device=DeviceConfig(device=device, dtype=dtype, seed=seed),
+        spec=SpecConfig(
+            num_speculative_tokens=num_speculative_tokens,
+            draft_model=draft_model,
+            speculative_disable_batch_size=speculative_disable_batch_size,
+            draft_device=draft_device,
+        ),
+    )
+
+
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        device: str = "cpu",
-        dtype: str = "auto",
-        block_size: int = 128,
-        max_memory_utilization: float = 0.9,
-        max_cache_size: int = 0,
-        enable_prefix_cache: bool = True,
-        enable_chunked_prefill: bool = True,
-        max_tokens_per_batch: int = 8192,
-        max_seqs_per_batch: int = 256,
-        max_model_len: int = 0,
-        seed: int = 0,
-        num_speculative_tokens: int = 0,
-        draft_model: str | None = None,
-        speculative_disable_batch_size: int = 0,
-        draft_device: str | None = None,
-    ) -> None:
-        model = model or bundled_model()
-        config = EngineConfig(
-            model=ModelConfig.from_pretrained(model),
-            cache=CacheConfig(
-                block_size=block_size,
-                max_memory_utilization=max_memory_utilization,
-                max_cache_size=max_cache_size,
-                enable_prefix_cache=enable_prefix_cache,
-            ),
-            scheduler=SchedulerConfig(
-                max_tokens_per_batch=max_tokens_per_batch,
-                max_seqs_per_batch=max_seqs_per_batch,
-                enable_chunked_prefill=enable_chunked_prefill,
-                max_model_len=max_model_len,
-            ),
-            device=DeviceConfig(device=device, dtype=dtype, seed=seed),
-            spec=SpecConfig(
-                num_speculative_tokens=num_speculative_tokens,
-                draft_model=draft_model,
-                speculative_disable_batch_size=speculative_disable_batch_size,
-                draft_device=draft_device,
-            ),
-        )
+    """Offline generation; every keyword is an `engine_config` option."""
+
+    def __init__(self, model: str | None = None, **options) -> None:
+        config = engine_config(model, **options)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -28,6 +28,12 @@ class SpecDecodeStats:
         for j in range(accepted):
             self.accepted_per_position[j] += 1
 
+    def snapshot(self) -> SpecDecodeStats:
+        """A copy that later steps do not change (for before/after differences)."""
+        return SpecDecodeStats(
+            self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_per_position)
+        )
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0

@@ -1,0 +1,88 @@
+"""Start the real daemon (`python -m xllm_py`) on a free loopback port, for tests."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *flags: str, startup_timeout: float = 120.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(f"/tmp/xllm-test-server-{self.port}.log", "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "xllm_py", "--port", str(self.port), *flags],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not come up:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def metrics(self) -> dict[str, float]:
+        """`name{labels}` -> value for every sample of /metrics."""
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        total = 0.0
+        for key, value in self.metrics().items():
+            m = re.fullmatch(r"([^{]+)(?:\{(.*)\})?", key)
+            if m.group(1) != name:
+                continue
+            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if all(have.get(k) == v for k, v in labels.items()):
+                total += value
+        return total
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,453 @@
+"""The REST daemon, end to end: a real `python -m xllm_py` process on a loopback
+port, the official `openai` client, raw HTTP for the bad-input matrix."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_utils import Server
+from xllm_py import LLM, SamplingParams
+
+PROMPTS = [
+    "<|bos|><|user|>\nHow do I reverse a list in Python?\n<|assistant|>\n",
+    "<|bos|><|user|>\nWrite a short poem about the sea.\n<|assistant|>\n",
+    "<|bos|><|user|>\nWhat is the capital of France?\n<|assistant|>\n",
+]
+KEY = "test-secret"
+MAX_LEN = 512
+MODEL = "tiny-deepseek-v3-mtp"
+
+
+@pytest.fixture(scope="module")
+def mtp_server():
+    with Server("--dtype", "float32", "--num_speculative_tokens=1") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def plain_server():
+    """MTP off, with an API key and small limits for the abuse tests."""
+    with Server(
+        "--dtype=float32",
+        f"--api_key={KEY}",
+        "--max_concurrent_requests=2",
+        "--max_request_body_bytes=65536",
+        f"--max_model_len={MAX_LEN}",
+        "--enable_prefix_cache=false",
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def offline_greedy():
+    llm = LLM(dtype="float32")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+    return [o.outputs[0].text for o in outs]
+
+
+def client(server: Server, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("which", ["mtp_server", "plain_server"])
+def test_greedy_completion_equals_offline_api(request, which, offline_greedy):
+    server = request.getfixturevalue(which)
+    c = client(server, KEY)
+    got = [
+        c.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
+        for p in PROMPTS
+    ]
+    assert got == offline_greedy
+
+
+def test_chat_and_streaming_with_usage(mtp_server):
+    c = client(mtp_server)
+    model = c.models.list().data[0].id
+    msgs = [{"role": "user", "content": "Tell me about the moon."}]
+    full = c.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 20 and full.choices[0].finish_reason == "length"
+    stream = c.chat.completions.create(
+        model=model,
+        messages=msgs,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    # completions stream: same text as the non-streamed call
+    one = c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    parts = c.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0, stream=True
+    )
+    assert "".join(p.choices[0].text for p in parts if p.choices) == one.choices[0].text
+
+
+def test_seeded_sampling_repeats_and_n_choices(mtp_server):
+    c = client(mtp_server)
+    model = c.models.list().data[0].id
+
+    def sample(seed):
+        r = c.completions.create(
+            model=model, prompt=PROMPTS[1], max_tokens=24, temperature=1.0, seed=seed, n=2
+        )
+        return [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
+
+    a, b, other = sample(7), sample(7), sample(8)
+    assert a == b
+    assert a != other
+    assert a[0] != a[1]  # n choices are different samples
+
+
+def test_batch_prompts_token_ids_logprobs_and_stop(mtp_server):
+    c = client(mtp_server)
+    model = c.models.list().data[0].id
+    ids = LLM(dtype="float32").get_tokenizer().encode(PROMPTS[2])
+    r = c.completions.create(
+        model=model, prompt=[PROMPTS[2], PROMPTS[0]], max_tokens=8, temperature=0, logprobs=2
+    )
+    assert [ch.index for ch in r.choices] == [0, 1]
+    by_ids = c.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0)
+    assert r.choices[0].text == by_ids.choices[0].text  # text and token ids of one prompt agree
+    assert r.choices[1].text != r.choices[0].text
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 8 and len(lp.token_logprobs) == 8
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) >= 2 for t in lp.top_logprobs)
+    chat = c.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == 5 and all(len(e.top_logprobs) == 3 for e in entries)
+    # a stop string cuts the text exactly where the non-stopped text has it
+    base = c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    word = base.choices[0].text.split()[3]
+    cut = c.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[word]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == base.choices[0].text[: base.choices[0].text.index(word)]
+
+
+def test_models_health_openapi(mtp_server):
+    models = httpx.get(mtp_server.url + "/v1/models").json()
+    assert models["data"][0]["id"] == "tiny-deepseek-v3-mtp"
+    assert httpx.get(mtp_server.url + "/health").json() == {"status": "ok"}
+    paths = httpx.get(mtp_server.url + "/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/metrics"} <= set(paths)
+
+
+def test_prometheus_metrics_after_traffic(mtp_server):
+    c = client(mtp_server)
+    model = c.models.list().data[0].id
+    c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    text = httpx.get(mtp_server.url + "/metrics").text
+    for name in [
+        "xllm:num_requests_running",
+        "xllm:num_requests_waiting",
+        "xllm:kv_cache_usage_perc",
+        "xllm:num_preemptions_total",
+        "xllm:prompt_tokens_total",
+        "xllm:generation_tokens_total",
+        "xllm:request_success_total",
+        "xllm:time_to_first_token_seconds_bucket",
+        "xllm:inter_token_latency_seconds_bucket",
+        "xllm:e2e_request_latency_seconds_bucket",
+        "xllm:request_queue_time_seconds_bucket",
+        "xllm:spec_decode_num_drafts_total",
+        "xllm:spec_decode_num_draft_tokens_total",
+        "xllm:spec_decode_num_accepted_tokens_total",
+        "xllm:spec_decode_num_accepted_tokens_per_pos_total",
+    ]:
+        assert f"\n{name}{{" in text, name
+    assert "# HELP xllm:spec_decode_num_drafts_total Verification passes" in text
+    assert mtp_server.metric("xllm:spec_decode_num_drafts_total") > 0
+    assert mtp_server.metric("xllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    assert mtp_server.metric("xllm:request_success_total", finished_reason="length") >= 1
+    assert mtp_server.metric("xllm:generation_tokens_total") >= 12
+
+
+def _raw(server, path, body, headers=None, method="POST"):
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"} | (headers or {})
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.request(method, server.url + path, content=data, headers=h, timeout=60)
+
+
+P = "Hello there"
+BAD_INPUTS = [
+    # (path, body, expected status, param or None)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": P, "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": P, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": P, "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": P, "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": P, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": P, "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": P, "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": P, "top_k": -5}, 400, "top_k"),
+    ("/v1/completions", {"prompt": P, "min_p": 2}, 400, "min_p"),
+    ("/v1/completions", {"prompt": P, "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": P, "logprobs": 100}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": P, "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": P, "stop": 3}, 400, "stop"),
+    ("/v1/completions", {"prompt": P, "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": P, "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": P, "max_tokenz": 5}, 400, "max_tokenz"),
+    ("/v1/completions", {"prompt": P, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": P, "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": P, "stream_options": {"include_usage": True}}, 400, "stream"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1] * MAX_LEN}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1] * 100, "max_tokens": MAX_LEN}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": P, "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        "tools",
+    ),
+    ("/v1/completions", {"prompt": "x" * 70000}, 413, None),
+]
+
+
+def test_bad_input_matrix(plain_server):
+    for path, body, status, param in BAD_INPUTS:
+        r = _raw(plain_server, path, body)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], body
+        if param is not None:
+            assert err["param"] == param, (body, err)
+    r = _raw(plain_server, "/v1/nowhere", {}, method="GET")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    # and the server keeps serving
+    ok = _raw(plain_server, "/v1/completions", {"prompt": P, "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_api_key(plain_server):
+    body = {"prompt": P, "max_tokens": 2}
+    assert _raw(plain_server, "/v1/completions", body, {"Authorization": ""}).status_code == 401
+    wrong = _raw(plain_server, "/v1/completions", body, {"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        client(plain_server, "nope").models.list()
+    assert client(plain_server, KEY).models.list().data
+    assert httpx.get(plain_server.url + "/health").status_code == 200  # probes need no key
+
+
+def test_too_many_requests(plain_server):
+    """--max_concurrent_requests=2: a third request while two stream is refused with 429."""
+
+    async def run():
+        h = {"Authorization": f"Bearer {KEY}"}
+        body = {"prompt": P, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=plain_server.url, headers=h, timeout=60) as ac:
+            async with ac.stream("POST", "/v1/completions", json=body) as r1:
+                async with ac.stream("POST", "/v1/completions", json=body) as r2:
+                    lines1, lines2 = r1.aiter_lines(), r2.aiter_lines()  # (dropping one closes)
+                    await anext(lines1)
+                    await anext(lines2)
+                    r3 = await ac.post("/v1/completions", json={"prompt": P, "max_tokens": 2})
+                    assert r3.status_code == 429
+                    assert r3.json()["error"]["type"] == "rate_limit_error"
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 30  # the two abandoned streams are aborted, then it serves
+    while time.monotonic() < deadline:
+        r = _raw(plain_server, "/v1/completions", {"prompt": P, "max_tokens": 2})
+        if r.status_code == 200:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 200
+
+
+def _settled(server: Server, timeout: float = 60.0) -> tuple[float, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        running = server.metric("xllm:num_requests_running")
+        waiting = server.metric("xllm:num_requests_waiting")
+        usage = server.metric("xllm:kv_cache_usage_perc")
+        if (running == 0 and waiting == 0 and usage == 0) or time.monotonic() > deadline:
+            return running + waiting, usage
+        time.sleep(0.2)
+
+
+def test_disconnects_free_everything(mtp_server):
+    """50 streaming requests dropped at random points (plus 5 non-streaming ones dropped while
+    waiting): afterwards nothing runs and every KV block is free."""
+    rng = random.Random(0)
+
+    async def one(ac, i):
+        body = {
+            "prompt": PROMPTS[i % 3] * (1 + i % 4),
+            "max_tokens": 200,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0.5,
+        }
+        stop_after = rng.randrange(0, 30)
+        async with ac.stream("POST", "/v1/completions", json=body) as r:
+            n = 0
+            async for _ in r.aiter_lines():
+                n += 1
+                if n >= stop_after:
+                    break
+
+    async def waiting(ac):
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                ac.post(
+                    "/v1/completions", json={"prompt": P, "max_tokens": 300, "ignore_eos": True}
+                ),
+                timeout=0.5,
+            )
+
+    async def run():
+        limits = httpx.Limits(max_connections=60)
+        async with httpx.AsyncClient(base_url=mtp_server.url, timeout=120, limits=limits) as ac:
+            await asyncio.gather(*[one(ac, i) for i in range(50)], *[waiting(ac) for _ in range(5)])
+
+    aborted_before = mtp_server.metric("xllm:request_success_total", finished_reason="abort")
+    asyncio.run(run())
+    assert _settled(mtp_server) == (0, 0)
+    aborted = mtp_server.metric("xllm:request_success_total", finished_reason="abort")
+    assert aborted - aborted_before >= 40  # most were cut before their 200 tokens
+    ok = client(mtp_server).completions.create(model=MODEL, prompt=P, max_tokens=3)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_sigterm_drains_and_exits_zero():
+    server = Server("--shutdown_timeout=30")
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={"prompt": P, "max_tokens": 60, "stream": True, "ignore_eos": True},
+        timeout=60,
+    ) as r:
+        lines = r.iter_lines()
+        next(lines)
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [ln for ln in lines if ln.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in rest[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # finished, not cut
+    assert server.proc.wait(60) == 0  # exits by itself once drained
+    server.stop()
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--enable_mla=false"], "--enable_mla"),
+        (["--devices=cpu", "--draft_devices=cuda:0"], "--draft_devices"),
+        (["--nnodes=2"], "--nnodes"),
+        (["--num_speculative_tokens=-1"], "--num_speculative_tokens"),
+        (["--enable_prefix_cache=maybe"], "--enable_prefix_cache"),
+        (["--model=/nonexistent/ckpt"], "/nonexistent/ckpt"),
+        (["--draft_model=/tmp", "--num_speculative_tokens=0"], "draft_model"),
+    ],
+)
+def test_bad_flags_fail_at_start(flags, needle):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "xllm_py", *flags], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help_explains_every_flag():
+    from xllm_py.cli import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 10, action.dest
+    names = {s for a in parser._actions for s in a.option_strings}
+    for flag in [
+        "--model", "--devices", "--host", "--port", "--master_node_addr", "--nnodes",
+        "--node_rank", "--draft_model", "--draft_devices", "--num_speculative_tokens",
+        "--max_memory_utilization", "--max_cache_size", "--max_tokens_per_batch",
+        "--max_seqs_per_batch", "--enable_mla", "--block_size", "--ep_size", "--dp_size",
+        "--enable_prefix_cache", "--enable_chunked_prefill", "--max_concurrent_requests",
+        "--api_key", "--served_model_name", "--dtype",
+    ]:  # fmt: skip
+        assert flag in names, flag
+
+
+def test_engine_failure_fails_requests_and_exits_nonzero(monkeypatch):
+    """A step that raises: the in-flight stream gets an error event and [DONE], /health turns
+    503, and the daemon exits 1 instead of hanging."""
+    import threading
+
+    from tests.server_utils import free_port
+    from xllm_py import cli
+    from xllm_py.engine.llm_engine import LLMEngine
+
+    real_step, calls = LLMEngine.step, {"n": 0}
+
+    def failing_step(self):
+        calls["n"] += 1
+        if calls["n"] > 4:
+            raise RuntimeError("device lost (injected by the test)")
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", failing_step)
+    port, result = free_port(), {}
+    url = f"http://127.0.0.1:{port}"
+    thread = threading.Thread(
+        target=lambda: result.setdefault("rc", cli.main(["--port", str(port), "--dtype=float32"]))
+    )
+    thread.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    body = {"prompt": P, "max_tokens": 50, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2][6:])["error"]
+    assert "device lost" in err["message"] and err["type"] == "server_error"
+    health = httpx.get(url + "/health", timeout=5)
+    assert health.status_code == 503 and health.json()["status"] == "dead"
+    thread.join(60)
+    assert result.get("rc") == 1

@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""Distil a checkpoint's MTP layer towards its own target model, on CPU.
+
+    python tools/distill_mtp.py --model xllm_py/assets/tiny-deepseek-v3-mtp \\
+        --output-dir /tmp/distilled --minutes 30
+
+A speculative draft is accepted when it agrees with the *target*, not with the
+data. Pre-training teaches the MTP layer the true token i+2; this tool keeps
+the target frozen and trains only the MTP layer (enorm, hnorm, eh_proj, its
+decoder block and shared_head.norm; the shared embedding and head stay fixed)
+to match the target's distribution at position i+1:
+
+    loss = CE(softmax(target logits at i+1), MTP logits at i)    (soft labels)
+
+which maximises the expected acceptance of a sampled draft and, through the
+top-1, of a greedy one. Training data is half ShareGPT text and half the
+target's own greedy continuations of training prompts (generated with this
+engine), because that is the text the draft sees while serving.
+
+Steps (cached in OUTPUT_DIR/work/): tokenise training text, generate
+continuations, train, then write OUTPUT_DIR as a copy of --model whose MTP
+tensors are replaced (same shard files and names, bf16). Prints held-out
+top-1 agreement with the target on its own continuations before and after.
+Uses HF transformers for the frozen target (a training tool only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tools.eval_mtp_agreement import load_mtp  # noqa: E402
+from tools.train_tiny_model import (  # noqa: E402
+    mtp_checkpoint_tensors,
+    split_conversations,
+    tokenize_stream,
+)
+from xllm_py.sharegpt import held_out_user_turns, iter_conversations, turns  # noqa: E402
+
+
+def prompt_text(user_turn: str) -> str:
+    return f"<|bos|><|user|>\n{user_turn}\n<|assistant|>\n"
+
+
+def generate(model_dir: Path, prompts: list[str], new_tokens: int, max_prompt: int) -> list:
+    """Greedy continuations from this engine: one token list (prompt + output) per prompt."""
+    from xllm_py import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), dtype="float32", max_seqs_per_batch=64)
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p, add_special_tokens=False)[-max_prompt:] for p in prompts]
+    outs = llm.generate(
+        [{"prompt_token_ids": i} for i in ids],
+        SamplingParams(temperature=0.0, max_tokens=new_tokens),
+        use_tqdm=True,
+    )
+    return [i + list(o.outputs[0].token_ids) for i, o in zip(ids, outs)]
+
+
+def training_user_turns(n: int, max_chars: int) -> list[str]:
+    out = []
+    for i, conv in enumerate(iter_conversations()):
+        if i % 50 == 0:  # held out (HELD_OUT_EVERY)
+            continue
+        t = turns(conv)
+        if t and t[0][0] == "user" and 0 < len(t[0][1]) < max_chars:
+            out.append(t[0][1])
+            if len(out) == n:
+                break
+    return out
+
+
+def windows(stream: np.ndarray, rng: np.random.Generator, n: int, seq: int) -> torch.Tensor:
+    starts = rng.integers(0, len(stream) - seq - 1, size=n)
+    return torch.from_numpy(np.stack([stream[s : s + seq + 1] for s in starts]).astype(np.int64))
+
+
+def mtp_logits(model, mtp, batch: torch.Tensor):
+    """batch [B, S + 1] -> (MTP logits at 0..S-2, target logits at 1..S-1), both [B, S-1, V]."""
+    inp = batch[:, :-1]
+    with torch.no_grad():
+        hidden = model.model(input_ids=inp, use_cache=False).last_hidden_state
+        target = model.lm_head(hidden[:, 1:]).float()
+        emb = model.model.embed_tokens(inp[:, 1:])
+    s = inp.shape[1] - 1
+    pos = torch.arange(s).unsqueeze(0).expand(inp.shape[0], -1)
+    rope = model.model.rotary_emb(hidden, pos)
+    mask = torch.full((s, s), float("-inf")).triu(1)[None, None].to(hidden.dtype)
+    x = mtp(hidden[:, :-1], emb, rope, mask)
+    return model.lm_head(x).float(), target
+
+
+def distill_loss(model, mtp, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    draft, target = mtp_logits(model, mtp, batch)
+    p = torch.softmax(target, dim=-1)
+    loss = -(p * torch.log_softmax(draft, dim=-1)).sum(-1).mean()
+    agree = (draft.argmax(-1) == target.argmax(-1)).float().mean()
+    return loss, agree
+
+
+@torch.no_grad()
+def agreement_on(model, mtp, seqs: list[list[int]], first: list[int]) -> float:
+    """Top-1 agreement at the positions whose target prediction is a generated token."""
+    agree = total = 0
+    for seq, f in zip(seqs, first):
+        draft, target = mtp_logits(model, mtp, torch.tensor([seq]))
+        # draft row i predicts token i + 2; keep rows whose token i + 2 was generated
+        rows = slice(max(f - 2, 0), None)
+        agree += int((draft[0, rows].argmax(-1) == target[0, rows].argmax(-1)).sum())
+        total += draft[0, rows].shape[0]
+    return agree / max(total, 1)
+
+
+def write_checkpoint(src: Path, out: Path, replaced: dict[str, torch.Tensor], meta: dict) -> None:
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy2(f, out / f.name)
+    for f in sorted(src.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for name in tensors.keys() & replaced.keys():
+            assert tensors[name].shape == replaced[name].shape, name
+            tensors[name] = replaced[name].to(tensors[name].dtype).contiguous()
+        save_file(tensors, str(out / f.name), metadata={"format": "pt"})
+    (out / "distillation.json").write_text(json.dumps(meta, indent=2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", type=Path, required=True, help="checkpoint with one MTP layer")
+    ap.add_argument("--output-dir", type=Path, required=True, help="checkpoint directory to write")
+    ap.add_argument("--minutes", type=float, default=30.0, help="training wall-clock budget")
+    ap.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    ap.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
+    ap.add_argument(
+        "--max-train-chars", type=int, default=20_000_000, help="ShareGPT text to tokenise"
+    )
+    ap.add_argument(
+        "--gen-prompts", type=int, default=1024, help="training prompts the target continues"
+    )
+    ap.add_argument("--gen-tokens", type=int, default=192, help="greedy tokens per continuation")
+    ap.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts to evaluate")
+    ap.add_argument("--seed", type=int, default=0, help="data-order seed")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.output_dir.resolve() == args.model.resolve():
+        sys.exit("--output-dir must differ from --model")
+    work = args.output_dir / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+
+    real_file, gen_file, eval_file = work / "real.npy", work / "generated.npy", work / "eval.json"
+    if not real_file.is_file():
+        print("tokenising ShareGPT training text ...", flush=True)
+        texts, _ = split_conversations(args.max_train_chars)
+        np.save(real_file, tokenize_stream(texts, args.model / "tokenizer.json"))
+    if not gen_file.is_file():
+        print(f"generating {args.gen_prompts} greedy continuations ...", flush=True)
+        seqs = generate(
+            args.model,
+            [prompt_text(t) for t in training_user_turns(args.gen_prompts, 2000)],
+            args.gen_tokens,
+            args.seq_len,
+        )
+        np.save(gen_file, np.concatenate([np.asarray(s, dtype=np.uint16) for s in seqs]))
+    if not eval_file.is_file():
+        prompts = [prompt_text(t) for t in held_out_user_turns(args.eval_prompts, 0, 2000)]
+        seqs = generate(args.model, prompts, 128, 256)
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(args.model / "tokenizer.json"))
+        first = [min(len(tok.encode(p, add_special_tokens=False).ids), 256) for p in prompts]
+        eval_file.write_text(json.dumps({"seqs": seqs, "first": first}))
+    real, gen = np.load(real_file), np.load(gen_file)
+    ev = json.loads(eval_file.read_text())
+    print(f"{len(real) / 1e6:.1f}M real tokens, {len(gen) / 1e6:.2f}M generated", flush=True)
+
+    from transformers import DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    cfg = model.config
+    mtp = load_mtp(args.model, cfg).train()
+    before = agreement_on(model, mtp.eval(), ev["seqs"], ev["first"])
+    print(f"held-out top-1 agreement before: {before:.1%}", flush=True)
+    mtp.train()
+    params = list(mtp.parameters())
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+    rng = np.random.default_rng(args.seed)
+    budget = args.minutes * 60
+    start = time.time()
+    step, log = 0, []
+    bar = tqdm(total=int(budget), desc="distilling", unit="s")
+    while (elapsed := time.time() - start) < budget:
+        frac = elapsed / budget
+        lr = (
+            args.lr
+            * min(1.0, (step + 1) / args.warmup)
+            * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+        )
+        for g in opt.param_groups:
+            g["lr"] = lr
+        half = args.batch_size // 2
+        batch = torch.cat(
+            [
+                windows(real, rng, args.batch_size - half, args.seq_len),
+                windows(gen, rng, half, args.seq_len),
+            ]
+        )
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, agree = distill_loss(model, mtp, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        bar.update(int(time.time() - start) - bar.n)
+        bar.set_postfix(step=step, loss=f"{loss.item():.3f}", agree=f"{agree.item():.2f}")
+        if step % 100 == 0:
+            log.append({"step": step, "loss": loss.item(), "train_agreement": agree.item()})
+    bar.close()
+    after = agreement_on(model, mtp.eval(), ev["seqs"], ev["first"])
+    print(f"held-out top-1 agreement after {step} steps: {after:.1%}", flush=True)
+    meta = {
+        "command": " ".join(sys.argv),
+        "source": str(args.model),
+        "steps": step,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "held_out_agreement_before": before,
+        "held_out_agreement_after": after,
+        "minutes": (time.time() - t0) / 60,
+        "log": log,
+    }
+    write_checkpoint(
+        args.model, args.output_dir, mtp_checkpoint_tensors(mtp, cfg.num_hidden_layers), meta
+    )
+    print(f"wrote {args.output_dir}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,473 @@
+"""The OpenAI-compatible REST API (FastAPI), over an AsyncEngine.
+
+    POST /v1/completions        text or token-id prompts (one or a batch), n choices each
+    POST /v1/chat/completions   messages rendered with the checkpoint's chat template
+    GET  /v1/models   GET /health   GET /metrics   GET /openapi.json
+
+Both POST endpoints stream with `"stream": true` (SSE `data: {...}` chunks, then
+`data: [DONE]`). Every error has OpenAI's shape `{"error": {"message", "type",
+"param", "code"}}`: 400 bad input, 401 bad key, 404 unknown model or route, 413
+oversized body, 429 too many requests in flight, 503 draining or engine dead.
+A client that goes away (mid-stream or while waiting) aborts its requests, so
+their KV blocks are freed at the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from xllm_py.entrypoints.async_engine import AsyncEngine, EngineDeadError, Update
+from xllm_py.entrypoints.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    from_validation_error,
+)
+from xllm_py.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
+from xllm_py.sampling_params import SamplingParams
+
+DISCONNECT_POLL_S = 0.2
+
+
+@dataclass
+class ServerOptions:
+    served_model_name: str
+    api_key: str | None = None
+    max_concurrent_requests: int = 256
+    max_request_body_bytes: int = 1 << 20
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_index: int
+    req_id: str
+    text: str | None
+    ids: list[int]
+    sampling: SamplingParams
+
+
+class _Slot:
+    """One request's place under max_concurrent_requests; released exactly once."""
+
+    def __init__(self, server: OpenAIServer) -> None:
+        self.server, self.held = server, True
+        server.in_flight += 1
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.server.in_flight -= 1
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncEngine, opts: ServerOptions, metrics: ServerMetrics) -> None:
+        self.engine, self.opts, self.metrics = engine, opts, metrics
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.config.max_model_len
+        self.in_flight = 0
+
+    # ---- request plumbing ----------------------------------------------------------------------
+
+    async def read_body(self, request: Request, model: type[BaseModel]):
+        limit = self.opts.max_request_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body of {declared} bytes exceeds {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds {limit} bytes")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        try:
+            json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"body: not valid JSON ({e})") from e
+        try:
+            req = model.model_validate_json(body)
+        except ValidationError as e:
+            raise from_validation_error(e) from e
+        req.check_unsupported()
+        if req.model is not None and req.model != self.opts.served_model_name:
+            raise APIError(
+                404,
+                f"model {req.model!r} does not exist; this server serves "
+                f"{self.opts.served_model_name!r}",
+                type="NotFoundError",
+                param="model",
+                code="model_not_found",
+            )
+        return req
+
+    def admit(self) -> None:
+        if self.engine.dead is not None:
+            raise APIError(503, f"the engine has stopped: {self.engine.dead}", type="server_error")
+        if self.engine.draining:
+            raise APIError(503, "the server is shutting down", type="server_error")
+        if self.in_flight >= self.opts.max_concurrent_requests:
+            raise APIError(
+                429,
+                f"too many requests in flight (max_concurrent_requests="
+                f"{self.opts.max_concurrent_requests}); retry later",
+                type="rate_limit_error",
+            )
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        try:
+            if isinstance(prompt, str):
+                return self.engine.engine.tokenize_prompt(prompt)
+            return None, list(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from e
+
+    def choices(self, req, prompts, max_tokens: int | None, logprobs: int | None) -> list[_Choice]:
+        base = uuid.uuid4().hex
+        out = []
+        for pi, prompt in enumerate(prompts):
+            text, ids = self.tokenize(prompt)
+            if len(ids) >= self.max_model_len:
+                raise APIError(
+                    400,
+                    f"prompt: {len(ids)} tokens leave no room to generate within the model's "
+                    f"context of {self.max_model_len} tokens",
+                    param="prompt",
+                )
+            if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
+                raise APIError(
+                    400,
+                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                    f"model's context of {self.max_model_len} tokens",
+                    param="max_tokens",
+                )
+            for i in range(req.n):
+                sp = req.sampling(max_tokens, logprobs, i)
+                try:
+                    self.engine.engine.validate(ids, sp)
+                except ValueError as e:
+                    raise APIError.invalid(e) from e
+                out.append(_Choice(pi * req.n + i, pi, f"{base}-{pi * req.n + i}", text, ids, sp))
+        return out
+
+    async def _merged(self, choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, Update]]:
+        """Updates of all choices as they come; closing this aborts the unfinished ones."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: _Choice) -> None:
+            try:
+                async with contextlib.aclosing(
+                    self.engine.generate(c.req_id, c.text, c.ids, c.sampling)
+                ) as updates:
+                    async for u in updates:
+                        queue.put_nowait((c, u))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((c, e))
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        try:
+            remaining = len(choices)
+            while remaining:
+                c, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield c, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- output formatting ---------------------------------------------------------------------
+
+    def _token_str(self, tid: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{tid}"
+        return self.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def completion_logprobs(self, lps: list[dict[int, float]], ids: list[int], offset: int):
+        tokens = [self._token_str(t) for t in ids]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp[t] for lp, t in zip(lps, ids)],
+            "top_logprobs": [{self._token_str(k): v for k, v in lp.items()} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, lps: list[dict[int, float]], ids: list[int], top: int):
+        def entry(t, v):
+            s = self._token_str(t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+        return {
+            "content": [
+                entry(t, lp[t])
+                | {
+                    "top_logprobs": [
+                        entry(k, v) for k, v in sorted(lp.items(), key=lambda kv: -kv[1])[:top]
+                    ]
+                }
+                for lp, t in zip(lps, ids)
+            ]
+        }
+
+    # ---- endpoints -----------------------------------------------------------------------------
+
+    async def handle(self, request: Request, chat: bool):
+        model = ChatCompletionRequest if chat else CompletionRequest
+        req = await self.read_body(request, model)
+        self.admit()
+        if chat:
+            if self.tokenizer is None:
+                raise APIError(400, "messages: this checkpoint has no tokenizer", param="messages")
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    req.message_dicts(), add_generation_prompt=req.add_generation_prompt
+                )
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from e
+            except Exception as e:  # a template error is the template's, reported as such
+                raise APIError(400, f"messages: chat template failed: {e}", param="messages") from e
+            prompts, limit, logprobs = [text], req.output_limit, req.num_logprobs()
+        else:
+            prompts, limit, logprobs = req.prompts(), req.max_tokens, req.logprobs
+        choices = self.choices(req, prompts, limit, logprobs)
+        kind = "chat.completion" if chat else "text_completion"
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        head = {"id": rid, "created": int(time.time()), "model": self.opts.served_model_name}
+        prompt_tokens = sum(len(c.ids) for c in choices if c.index % req.n == 0)
+        slot = _Slot(self)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            gen = self._stream(req, chat, choices, head, kind, prompt_tokens, include_usage, slot)
+            # A stream cancelled before its first chunk never runs its `finally`.
+            weakref.finalize(gen, slot.release)
+            return StreamingResponse(gen, media_type="text/event-stream")
+        try:
+            return await self._complete(request, req, chat, choices, head, kind, prompt_tokens)
+        finally:
+            slot.release()
+
+    async def _complete(self, request, req, chat, choices, head, kind, prompt_tokens):
+        texts = {c.index: "" for c in choices}
+        ids: dict[int, list[int]] = {c.index: [] for c in choices}
+        lps: dict[int, list] = {c.index: [] for c in choices}
+        last: dict[int, Update] = {}
+
+        async def collect() -> None:
+            async with contextlib.aclosing(self._merged(choices)) as merged:
+                async for c, u in merged:
+                    texts[c.index] = u.text
+                    ids[c.index] += u.new_token_ids
+                    lps[c.index] += u.new_logprobs or []
+                    last[c.index] = u
+
+        task = asyncio.create_task(collect())
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not done and await request.is_disconnected():
+                    task.cancel()  # aborts every choice; nobody is listening
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    return Response(status_code=499)
+            task.result()
+        except EngineDeadError as e:
+            raise APIError(503, str(e), type="server_error") from e
+        finally:
+            task.cancel()
+        out_choices = []
+        for c in sorted(choices, key=lambda c: c.index):
+            u = last[c.index]
+            entry = {"index": c.index, "finish_reason": u.finish_reason}
+            want = c.sampling.logprobs
+            if chat:
+                entry["message"] = {"role": "assistant", "content": texts[c.index]}
+                entry["logprobs"] = (
+                    None if want is None else self.chat_logprobs(lps[c.index], ids[c.index], want)
+                )
+            else:
+                entry["text"] = texts[c.index]
+                entry["logprobs"] = (
+                    None
+                    if want is None
+                    else self.completion_logprobs(lps[c.index], ids[c.index], 0)
+                )
+            entry["stop_reason"] = u.stop_reason
+            out_choices.append(entry)
+        completion_tokens = sum(len(v) for v in ids.values())
+        return {
+            **head,
+            "object": kind,
+            "choices": out_choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+    async def _stream(self, req, chat, choices, head, kind, prompt_tokens, include_usage, slot):
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+        sent = {c.index: 0 for c in choices}  # characters of text already streamed
+        offsets = {c.index: 0 for c in choices}
+        completion_tokens = 0
+
+        def chunk(choice: dict) -> str:
+            return _sse({**head, "object": chunk_kind, "choices": [choice]})
+
+        try:
+            if chat:
+                for c in choices:
+                    yield chunk(
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
+            async with contextlib.aclosing(self._merged(choices)) as merged:
+                async for c, u in merged:
+                    completion_tokens += len(u.new_token_ids)
+                    # Hold back what could still turn out to be the start of a stop string.
+                    hold = (
+                        0
+                        if u.finished or not c.sampling.stop
+                        else max(map(len, c.sampling.stop)) - 1
+                    )
+                    upto = max(sent[c.index], len(u.text) - hold)
+                    delta = u.text[sent[c.index] : upto]
+                    sent[c.index] = upto
+                    if not delta and not u.finished and not u.new_logprobs:
+                        continue
+                    want = c.sampling.logprobs
+                    lp = None
+                    if want is not None and u.new_logprobs:
+                        lp = (
+                            self.chat_logprobs(u.new_logprobs, u.new_token_ids, want)
+                            if chat
+                            else self.completion_logprobs(
+                                u.new_logprobs, u.new_token_ids, offsets[c.index]
+                            )
+                        )
+                        offsets[c.index] += sum(len(t) for t in lp.get("tokens", []))
+                    body = {"index": c.index, "logprobs": lp, "finish_reason": u.finish_reason}
+                    if chat:
+                        body["delta"] = {"content": delta} if delta else {}
+                    else:
+                        body["text"] = delta
+                    if u.finished:
+                        body["stop_reason"] = u.stop_reason
+                    yield chunk(body)
+            if include_usage:
+                yield _sse(
+                    {
+                        **head,
+                        "object": chunk_kind,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": prompt_tokens,
+                            "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens,
+                        },
+                    }
+                )
+        except EngineDeadError as e:
+            yield _sse(APIError(503, str(e), type="server_error").body())
+        except APIError as e:
+            yield _sse(e.body())
+        finally:
+            slot.release()
+        yield "data: [DONE]\n\n"
+
+
+def build_app(engine: AsyncEngine, opts: ServerOptions, metrics: ServerMetrics) -> FastAPI:
+    app = FastAPI(
+        title="xllm-py",
+        description="OpenAI-compatible serving of DeepSeek-V3-family models with MTP.",
+    )
+    server = OpenAIServer(engine, opts, metrics)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code
+        )
+
+    def check_key(request: Request) -> None:
+        if opts.api_key and request.headers.get("authorization") != f"Bearer {opts.api_key}":
+            raise APIError(
+                401,
+                "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        return await server.handle(request, chat=False)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.handle(request, chat=True)
+
+    @v1.get("/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": opts.served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "xllm-py",
+                    "max_model_len": server.max_model_len,
+                }
+            ],
+        }
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        if engine.dead is not None:
+            return JSONResponse({"status": "dead", "error": str(engine.dead)}, status_code=503)
+        if engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,158 @@
+"""Prometheus metrics for `GET /metrics`, named as vLLM names them with an `xllm:`
+prefix and a `model_name` label.
+
+Counters and histograms are fed by the engine thread through EngineEvents;
+gauges and the scheduler/speculation totals are read, at scrape time, from the
+stats snapshot the engine thread publishes after every step. Each server has
+its own registry, so several servers in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from xllm_py.entrypoints.async_engine import AsyncEngine, EngineEvents, RequestRecord
+
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+disable_created_metrics()  # no *_created series (vLLM does the same)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _StatsCollector(Collector):
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine, self.model = engine, model_name
+
+    def collect(self):
+        st, labels = self.engine.stats, [self.model]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge(
+            "xllm:num_requests_running", "Requests in the running batch (prefill or decode).",
+            st.num_running,
+        )  # fmt: skip
+        yield gauge(
+            "xllm:num_requests_waiting", "Requests queued, not yet scheduled (or preempted).",
+            st.num_waiting,
+        )  # fmt: skip
+        yield gauge(
+            "xllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+            st.kv_cache_usage,
+        )  # fmt: skip
+        yield counter(
+            "xllm:num_preemptions", "Requests preempted (blocks freed, recomputed later).",
+            st.num_preemptions,
+        )  # fmt: skip
+        yield counter(
+            "xllm:prefix_cache_queries", "Prompt blocks looked up in the prefix cache.",
+            st.prefix_cache_queries,
+        )  # fmt: skip
+        yield counter(
+            "xllm:prefix_cache_hits", "Prompt blocks found in the prefix cache.",
+            st.prefix_cache_hits,
+        )  # fmt: skip
+        spec = st.spec
+        yield counter(
+            "xllm:spec_decode_num_drafts",
+            "Verification passes that carried MTP draft tokens (one per request per step).",
+            spec.drafts,
+        )
+        yield counter(
+            "xllm:spec_decode_num_draft_tokens", "MTP draft tokens proposed.", spec.draft_tokens
+        )
+        yield counter(
+            "xllm:spec_decode_num_accepted_tokens",
+            "Draft tokens the target accepted (acceptance rate = accepted / draft tokens; "
+            "mean acceptance length = 1 + accepted / drafts).",
+            spec.accepted_tokens,
+        )
+        per = CounterMetricFamily(
+            "xllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by draft position (0 = first draft token).",
+            labels=["model_name", "position"],
+        )
+        for pos, n in enumerate(spec.accepted_per_position):
+            per.add_metric([self.model, str(pos)], n)
+        yield per
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.model = model_name
+        self.registry = CollectorRegistry()
+        r, lab = self.registry, ["model_name"]
+        self.prompt_tokens = Counter(
+            "xllm:prompt_tokens", "Prompt tokens of scheduled requests.", lab, registry=r
+        )
+        self.generation_tokens = Counter(
+            "xllm:generation_tokens", "Generated (verified) tokens.", lab, registry=r
+        )
+        self.request_success = Counter(
+            "xllm:request_success",
+            "Finished requests by finish reason (stop, length, abort).",
+            lab + ["finished_reason"],
+            registry=r,
+        )
+
+        def hist(name, doc):
+            return Histogram(name, doc, lab, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = hist(
+            "xllm:time_to_first_token_seconds", "Arrival to first generated token, seconds."
+        )
+        self.itl = hist(
+            "xllm:inter_token_latency_seconds",
+            "Time between successive output tokens, seconds (a step that emits n tokens "
+            "counts n intervals of gap / n).",
+        )
+        self.e2e = hist(
+            "xllm:e2e_request_latency_seconds", "Arrival to finish (any reason), seconds."
+        )
+        self.queue = hist("xllm:request_queue_time_seconds", "Arrival to first scheduled, seconds.")
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self.registry.register(_StatsCollector(engine, self.model))
+        engine.events = EngineEvents(self._scheduled, self._tokens, self._finished)
+
+    def _scheduled(self, rec: RequestRecord, now: float) -> None:
+        self.queue.labels(self.model).observe(now - rec.arrival)
+        self.prompt_tokens.labels(self.model).inc(rec.num_prompt_tokens)
+
+    def _tokens(self, rec: RequestRecord, n: int, now: float) -> None:
+        if rec.first_token is None:
+            rec.first_token = now
+            self.ttft.labels(self.model).observe(now - rec.arrival)
+            n_gaps, gap = 0, 0.0  # tokens arriving with the first one have no gap of their own
+        else:
+            n_gaps, gap = n, (now - rec.last_token) / n
+        for _ in range(n_gaps):
+            self.itl.labels(self.model).observe(gap)
+        rec.last_token = now
+        rec.num_tokens += n
+        self.generation_tokens.labels(self.model).inc(n)
+
+    def _finished(self, rec: RequestRecord, reason: str, now: float) -> None:
+        self.request_success.labels(self.model, reason).inc()
+        self.e2e.labels(self.model).observe(now - rec.arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
