@@ -410,13 +410,45 @@ def test_help_explains_every_flag():
         assert flag in names, flag
 
 
+class InProcessServer:
+    """The daemon on a thread of this process (cli.build_server + cli.run), so a test can
+    patch the engine; `stop()` ends it as SIGTERM would."""
+
+    def __init__(self, *flags: str) -> None:
+        import threading
+
+        from tests.server_utils import free_port
+        from xllm_py import cli
+
+        self.port, self.result = free_port(), {}
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = cli.build_parser().parse_args(["--port", str(self.port), "--dtype=float32", *flags])
+        self.server, engine = cli.build_server(args)
+        self.thread = threading.Thread(
+            target=lambda: self.result.setdefault("rc", cli.run(self.server, engine)), daemon=True
+        )
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        raise RuntimeError("in-process server did not come up")
+
+    def exit_code(self, timeout: float = 60) -> int | None:
+        self.thread.join(timeout)
+        return self.result.get("rc")
+
+    def stop(self) -> int | None:
+        self.server.should_exit = True
+        return self.exit_code()
+
+
 def test_engine_failure_fails_requests_and_exits_nonzero(monkeypatch):
     """A step that raises: the in-flight stream gets an error event and [DONE], /health turns
     503, and the daemon exits 1 instead of hanging."""
-    import threading
-
-    from tests.server_utils import free_port
-    from xllm_py import cli
     from xllm_py.engine.llm_engine import LLMEngine
 
     real_step, calls = LLMEngine.step, {"n": 0}
@@ -428,26 +460,49 @@ def test_engine_failure_fails_requests_and_exits_nonzero(monkeypatch):
         return real_step(self)
 
     monkeypatch.setattr(LLMEngine, "step", failing_step)
-    port, result = free_port(), {}
-    url = f"http://127.0.0.1:{port}"
-    thread = threading.Thread(
-        target=lambda: result.setdefault("rc", cli.main(["--port", str(port), "--dtype=float32"]))
-    )
-    thread.start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
+    server = InProcessServer()
     body = {"prompt": P, "max_tokens": 50, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     err = json.loads(lines[-2][6:])["error"]
     assert "device lost" in err["message"] and err["type"] == "server_error"
-    health = httpx.get(url + "/health", timeout=5)
+    health = httpx.get(server.url + "/health", timeout=5)
     assert health.status_code == 503 and health.json()["status"] == "dead"
-    thread.join(60)
-    assert result.get("rc") == 1
+    assert server.exit_code() == 1
+
+
+def test_health_answers_while_a_step_runs(monkeypatch):
+    """The engine runs on its own thread: while a step is stuck (here: a step that waits
+    for the test's signal), /health and /metrics still answer."""
+    import threading
+
+    from xllm_py.engine.llm_engine import LLMEngine
+
+    real_step, in_step, release = LLMEngine.step, threading.Event(), threading.Event()
+
+    def slow_step(self):
+        if self.has_unfinished() and not release.is_set():
+            in_step.set()
+            release.wait(60)
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", slow_step)
+    server = InProcessServer()
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        done = {}
+        t = threading.Thread(
+            target=lambda: done.setdefault(
+                "r", c.post("/v1/completions", json={"prompt": P, "max_tokens": 4})
+            )
+        )
+        t.start()
+        assert in_step.wait(30)
+        assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        assert "xllm:num_requests_running" in metrics
+        assert "r" not in done  # the step really was still in progress
+        release.set()
+        t.join(60)
+    assert done["r"].json()["usage"]["completion_tokens"] == 4
+    assert server.stop() == 0

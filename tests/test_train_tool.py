@@ -59,3 +59,60 @@ def test_train_tool_writes_a_loadable_checkpoint_and_resumes(tmp_path):
     text = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}])
     res = llm.generate(text, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(res[0].outputs[0].token_ids) == 4
+
+
+def test_distill_tool_changes_only_the_mtp_layer(tmp_path):
+    """tools/distill_mtp.py at toy scale: the written checkpoint has new MTP tensors, every
+    other tensor byte-identical, and serves the same greedy tokens with MTP on."""
+    from safetensors.torch import load_file
+
+    src, out = tmp_path / "model", tmp_path / "distilled"
+    train(src, 2)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(TOOL.parent / "distill_mtp.py"),
+            "--model",
+            str(src),
+            "--output-dir",
+            str(out),
+            "--minutes",
+            "0.05",
+            "--max-train-chars",
+            "200000",
+            "--gen-prompts",
+            "4",
+            "--gen-tokens",
+            "8",
+            "--eval-prompts",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "32",
+            "--lr",
+            "0.05",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    meta = json.loads((out / "distillation.json").read_text())
+    assert meta["steps"] >= 1 and 0 <= meta["held_out_agreement_after"] <= 1
+    n_layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    mtp_prefix = f"model.layers.{n_layers}."  # the MTP layer follows the main layers
+    changed = []
+    for f in sorted(src.glob("*.safetensors")):
+        a, b = load_file(str(f)), load_file(str(out / f.name))
+        assert a.keys() == b.keys()
+        for name in a:
+            if not a[name].equal(b[name]):
+                changed.append(name)
+    assert changed and all(n.startswith(mtp_prefix) for n in changed), changed
+    assert not any("embed_tokens" in n or "shared_head.head" in n for n in changed)
+    prompt = {"prompt_token_ids": [0, 5, 9, 17, 33]}
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    base = LLM(model=str(src), dtype="float32", block_size=16).generate(prompt, greedy)
+    spec = LLM(model=str(out), dtype="float32", block_size=16, num_speculative_tokens=2)
+    assert spec.generate(prompt, greedy)[0].outputs[0].token_ids == base[0].outputs[0].token_ids

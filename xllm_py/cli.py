@@ -196,9 +196,9 @@ def check_args(a: argparse.Namespace) -> None:
         )
 
 
-def serve(a: argparse.Namespace) -> int:
-    import asyncio
-
+def build_server(a: argparse.Namespace):
+    """The daemon, not yet running: (uvicorn server, AsyncEngine). `run` starts it; setting
+    `server.should_exit` stops it as SIGTERM would."""
     import uvicorn
 
     from xllm_py.assets import bundled_model
@@ -262,9 +262,16 @@ def serve(a: argparse.Namespace) -> int:
         threading.Timer(FAILURE_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
 
     engine.on_failure = on_failure
-    engine.start()
     spec = f", MTP k={a.num_speculative_tokens}" if a.num_speculative_tokens else ""
     logger.info("serving %s (%s%s) at http://%s:%d/v1", name, model, spec, a.host, a.port)
+    return server, engine
+
+
+def run(server, engine) -> int:
+    """Serve until SIGTERM/SIGINT, `server.should_exit` or an engine failure; the exit code."""
+    import asyncio
+
+    engine.start()
     try:
         asyncio.run(server.serve())
     finally:
@@ -283,10 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         check_args(args)
-        return serve(args)
+        server, engine = build_server(args)
     except (ValueError, FileNotFoundError) as e:  # configuration errors: one line, exit 2
         print(f"xllm: error: {e}", file=sys.stderr)
         return 2
+    return run(server, engine)
 
 
 if __name__ == "__main__":
