@@ -165,6 +165,9 @@ def bench_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtyp
     }
 
 
+MIN_SPEC_PROMPTS = 8
+
+
 def bench_spec(model_dir: Path, batch: int, k: int, new_tokens: int, dtype: str) -> dict:
     from xllm_py import LLM, SamplingParams
     from xllm_py.sharegpt import held_out_user_turns
@@ -173,8 +176,8 @@ def bench_spec(model_dir: Path, batch: int, k: int, new_tokens: int, dtype: str)
     tok = llm.get_tokenizer()
     texts = [
         tok.apply_chat_template([{"role": "user", "content": p}])
-        for p in held_out_user_turns(batch + 2, 20, 1500)
-    ]
+        for p in held_out_user_turns(max(batch, MIN_SPEC_PROMPTS) + 2, 20, 1500)
+    ]  # at batch 1 several prompts run one after another (max_seqs_per_batch=1)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(texts[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
     before = llm.get_metrics()

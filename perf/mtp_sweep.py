@@ -1,0 +1,352 @@
+#!/usr/bin/env python3
+"""Baseline vs MTP serving sweep, in one command: the table, a plot and all raw JSON.
+
+    python perf/mtp_sweep.py --scale cpu                       # bundled model, this machine
+    python perf/mtp_sweep.py --scale full --model /models/DeepSeek-V3 \\
+        --server-args "--devices=cuda:0 --draft_model /models/DeepSeek-V3-MTP"
+
+For each method (baseline = no drafts, then MTP with each k of --k) it starts our
+daemon, runs perf/bench_serving.py at every concurrency of --concurrency on the
+same ShareGPT prompts with the same lengths and settings, and stops the daemon.
+`--launch` replaces our daemon with any command (vLLM, SGLang, a cluster script):
+it is run with {port} and {k} substituted and must serve /health.
+
+Presets (--scale):
+    full  input 2500 / output 1500 tokens, 80 requests per level (the reference table)
+    cpu   input 256 / output 128 tokens, max(24, 2 x concurrency) requests per level
+          (finishes on 2 CPU cores in well under 30 minutes)
+
+Writes into --result-dir: results.md (one row per method and concurrency, baseline
+and MTP interleaved: mean TPOT, mean TTFT, output and total tokens/s, speedup over
+the baseline at that concurrency, mean acceptance length), sweep.png (output
+tokens/s and TPOT against concurrency), sweep.json (everything, with the command
+and the machine) and raw/ (one bench_serving JSON per run). With --hf-peer, the
+same prompts also go through HF transformers `generate` one at a time (offline,
+concurrency 1) as a peer figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from perf import bench_serving  # noqa: E402
+
+PRESETS = {
+    "full": {"input_len": 2500, "output_len": 1500, "prompts": lambda c: 80},
+    "cpu": {"input_len": 256, "output_len": 128, "prompts": lambda c: max(24, 2 * c)},
+}
+DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16, 20, 40, 80]
+STARTUP_TIMEOUT_S = 600
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f"{kb / 2**20:.0f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory": mem,
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "git_commit": commit,
+    }
+
+
+class Daemon:
+    """Our server (or --launch) on a port, up until stop()."""
+
+    def __init__(self, cmd: list[str], log: Path, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {log}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s; see {log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def server_command(args, k: int, port: int) -> list[str]:
+    if args.launch:
+        return shlex.split(args.launch.format(port=port, k=k))
+    cmd = [sys.executable, "-m", "xllm_py", "--port", str(port), f"--num_speculative_tokens={k}"]
+    if args.model:
+        cmd += ["--model", args.model]
+    return cmd + shlex.split(args.server_args)
+
+
+def bench_argv(args, base_url: str, concurrency: int, raw: Path, name: str) -> list[str]:
+    p = PRESETS[args.scale]
+    argv = [
+        "--base-url", base_url,
+        "--dataset-name", "sharegpt",
+        "--num-prompts", str(args.num_prompts or p["prompts"](concurrency)),
+        "--max-concurrency", str(concurrency),
+        "--input-len", str(args.input_len or p["input_len"]),
+        "--output-len", str(args.output_len or p["output_len"]),
+        "--ignore-eos",
+        "--temperature", "0",
+        "--seed", str(args.seed),
+        "--save-result",
+        "--result-dir", str(raw),
+        "--result-filename", f"{name}.json",
+        "--disable-tqdm",
+    ]  # fmt: skip
+    if args.model:
+        argv += ["--tokenizer", args.model]
+    return argv
+
+
+def warm_up(base_url: str) -> None:
+    """A few requests so first-call costs (allocation, lazy init) stay out of the figures."""
+    model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    for _ in range(3):
+        httpx.post(
+            base_url + "/v1/completions",
+            json={"model": model, "prompt": "Hello", "max_tokens": 16, "ignore_eos": True},
+            timeout=300,
+        ).raise_for_status()
+
+
+def hf_peer(args, n: int) -> dict:
+    """The first n benchmark prompts through HF transformers `generate`, one at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from xllm_py.assets import bundled_model
+
+    path = args.model or str(bundled_model())
+    p = PRESETS[args.scale]
+    prompts = bench_serving.sample_prompts(
+        bench_argv(args, "http://unused", 1, Path("/tmp"), "peer")
+    )[:n]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    out_len = args.output_len or p["output_len"]
+    tokens = seconds = 0.0
+    ttfts = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            t0 = time.perf_counter()
+            model.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            ttfts.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            model.generate(x, max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False)
+            seconds += time.perf_counter() - t0
+            tokens += out_len
+    mean_ttft = sum(ttfts) / len(ttfts)
+    return {
+        "method": "HF transformers generate (offline, concurrency 1)",
+        "num_prompts": len(prompts),
+        "output_throughput": tokens / seconds,
+        "mean_ttft_ms": 1000 * mean_ttft,
+        "mean_tpot_ms": 1000 * (seconds / len(prompts) - mean_ttft) / (out_len - 1),
+    }
+
+
+def table(rows: list[dict], peer: dict | None) -> str:
+    head = (
+        "| method | concurrency | mean TPOT (ms) | mean TTFT (ms) | output tok/s | "
+        "total tok/s | speedup | acceptance length | failed |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    lines = []
+    for r in rows:
+        acc = r.get("spec_decode_acceptance_length")
+        lines.append(
+            f"| {r['method']} | {r['concurrency']} | {r['mean_tpot_ms']:.1f} | "
+            f"{r['mean_ttft_ms']:.1f} | {r['output_throughput']:.1f} | "
+            f"{r['total_token_throughput']:.1f} | {r['speedup']:.2f}x | "
+            f"{'' if acc is None else f'{acc:.2f}'} | {r['failed']} |"
+        )
+    out = head + "\n".join(lines) + "\n"
+    if peer:
+        out += (
+            f"\nPeer: {peer['method']} on the first {peer['num_prompts']} prompts: "
+            f"{peer['output_throughput']:.1f} output tok/s, mean TTFT "
+            f"{peer['mean_ttft_ms']:.1f} ms, mean TPOT {peer['mean_tpot_ms']:.1f} ms.\n"
+        )
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        rs = [r for r in rows if r["method"] == method]
+        c = [r["concurrency"] for r in rs]
+        a.plot(c, [r["output_throughput"] for r in rs], marker="o", label=method)
+        b.plot(c, [r["mean_tpot_ms"] for r in rs], marker="o", label=method)
+    for ax, title in ((a, "output tokens/s"), (b, "mean TPOT (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--scale", choices=sorted(PRESETS), default="cpu", help="length/count preset")
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: bundled)")
+    ap.add_argument("--k", type=int, nargs="+", default=[1], help="MTP draft counts to sweep")
+    ap.add_argument(
+        "--concurrency", type=int, nargs="+", default=DEFAULT_CONCURRENCY, help="levels"
+    )
+    ap.add_argument("--num-prompts", type=int, default=0, help="override the preset's count")
+    ap.add_argument("--input-len", type=int, default=0, help="override the preset's input")
+    ap.add_argument("--output-len", type=int, default=0, help="override the preset's output")
+    ap.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
+    ap.add_argument("--port", type=int, default=8711, help="port for the daemon")
+    ap.add_argument(
+        "--server-args", default="", help="extra flags for our daemon (one quoted string)"
+    )
+    ap.add_argument(
+        "--launch",
+        default=None,
+        help="command that starts another server instead, with {port} and {k} placeholders",
+    )
+    ap.add_argument("--hf-peer", action="store_true", help="also time HF transformers generate")
+    ap.add_argument("--hf-peer-prompts", type=int, default=8, help="prompts for the HF peer figure")
+    ap.add_argument(
+        "--result-dir", type=Path, default=ROOT / "perf/results/mtp_sweep", help="output folder"
+    )
+    args = ap.parse_args(argv)
+    raw = args.result_dir / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    methods = [("baseline", 0)] + [(f"MTP k={k}", k) for k in args.k]
+    results: dict[str, dict[int, dict]] = {}
+    for name, k in methods:
+        print(f"== {name}: starting the server", flush=True)
+        daemon = Daemon(
+            server_command(args, k, args.port), args.result_dir / f"server_k{k}.log", args.port
+        )
+        try:
+            warm_up(daemon.url)
+            for c in args.concurrency:
+                res = bench_serving.run(bench_argv(args, daemon.url, c, raw, f"k{k}_c{c}"))
+                results.setdefault(name, {})[c] = res
+                print(
+                    f"   concurrency {c:>3}: {res['output_throughput']:8.1f} output tok/s, "
+                    f"TPOT {res['mean_tpot_ms']:7.1f} ms, TTFT {res['mean_ttft_ms']:7.1f} ms, "
+                    f"failed {res['failed']}",
+                    flush=True,
+                )
+        finally:
+            daemon.stop()
+    rows = []
+    for c in args.concurrency:
+        base = results["baseline"][c]["output_throughput"]
+        for name, _ in methods:
+            r = results[name][c]
+            rows.append(
+                {
+                    "method": name,
+                    "concurrency": c,
+                    "speedup": r["output_throughput"] / base,
+                    "ttft_ratio": r["mean_ttft_ms"] / results["baseline"][c]["mean_ttft_ms"],
+                    **{
+                        key: r.get(key)
+                        for key in (
+                            "mean_tpot_ms",
+                            "mean_ttft_ms",
+                            "output_throughput",
+                            "total_token_throughput",
+                            "failed",
+                            "completed",
+                            "spec_decode_acceptance_length",
+                            "spec_decode_acceptance_rate",
+                        )
+                    },
+                }
+            )
+    peer = hf_peer(args, args.hf_peer_prompts) if args.hf_peer else None
+    given = argv if argv is not None else sys.argv[1:]
+    command = " ".join(["python", "perf/mtp_sweep.py", *given])
+    p = PRESETS[args.scale]
+    summary = {
+        "command": command,
+        "scale": args.scale,
+        "input_len": args.input_len or p["input_len"],
+        "output_len": args.output_len or p["output_len"],
+        "machine": machine(),
+        "rows": rows,
+        "hf_peer": peer,
+    }
+    (args.result_dir / "sweep.json").write_text(json.dumps(summary, indent=2))
+    md = (
+        f"# MTP sweep ({args.scale})\n\n`{command}`\n\n"
+        f"Machine: {json.dumps(summary['machine'])}\n\n"
+        f"ShareGPT prompts cut/extended to {summary['input_len']} input tokens, "
+        f"{summary['output_len']} output tokens (ignore_eos), greedy; the same prompts and "
+        "settings for every method. Speedup = output tok/s over the baseline at the same "
+        "concurrency, measured in this run.\n\n" + table(rows, peer)
+    )
+    (args.result_dir / "results.md").write_text(md)
+    plot(rows, args.result_dir / "sweep.png")
+    print(md)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""perf/mtp_sweep.py end to end at toy scale: it starts the daemon without and with MTP,
+benchmarks both on the same prompts and writes the table, the plot and the JSON."""
+
+from __future__ import annotations
+
+import json
+
+from perf import mtp_sweep
+from tests.server_utils import free_port
+
+
+def test_sweep_writes_table_plot_and_json(tmp_path):
+    summary = mtp_sweep.main(
+        [
+            "--concurrency", "1", "2",
+            "--num-prompts", "3",
+            "--input-len", "24",
+            "--output-len", "6",
+            "--port", str(free_port()),
+            "--server-args", "--dtype float32",
+            "--result-dir", str(tmp_path),
+        ]
+    )  # fmt: skip
+    rows = summary["rows"]
+    assert [(r["method"], r["concurrency"]) for r in rows] == [
+        ("baseline", 1),
+        ("MTP k=1", 1),
+        ("baseline", 2),
+        ("MTP k=1", 2),
+    ]
+    assert all(r["failed"] == 0 and r["completed"] == 3 for r in rows)
+    for r in rows:
+        raw = json.loads((tmp_path / "raw" / f"k{0 if r['method'] == 'baseline' else 1}"
+                          f"_c{r['concurrency']}.json").read_text())  # fmt: skip
+        assert r["output_throughput"] == raw["output_throughput"]
+    base, mtp = rows[0], rows[1]
+    assert base["speedup"] == 1.0
+    assert mtp["speedup"] == mtp["output_throughput"] / base["output_throughput"]
+    assert base["spec_decode_acceptance_length"] is None
+    assert 1.0 <= mtp["spec_decode_acceptance_length"] <= 2.0
+    md = (tmp_path / "results.md").read_text()
+    assert "| MTP k=1 | 2 |" in md and "speedup" in md
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "sweep.json").read_text())["machine"]["cores"]
