@@ -179,7 +179,7 @@ def test_stop_strings_wait_for_min_tokens(llm):
 
 
 def test_bfloat16_runs_the_same_model(tiny_model_dir, prompts):
-    """dtype="auto" means bf16 on CPUs with native bf16; it must compute the same model
+    """bfloat16 (dtype="auto" on accelerators) must compute the same model
     up to rounding: the first greedy token agrees with float32 for most prompts and the
     log-probabilities of float32's choices stay close."""
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=5)

@@ -360,20 +360,14 @@ class DeviceConfig:
             parse_dtype(self.dtype)
 
     def torch_dtype(self) -> torch.dtype:
+        """auto: bfloat16 on accelerators; float32 on CPU, where this engine's small decode
+        matmuls ran faster in float32 than in bfloat16 even with AVX512-BF16 (3.3 vs 4.3 ms
+        per token on the bundled model, 2 cores)."""
         if self.dtype != "auto":
             return parse_dtype(self.dtype)
         if self.device.startswith("cpu"):
-            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+            return torch.float32
         return torch.bfloat16
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has AVX512-BF16 or AMX, where bf16 matmuls beat fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 @dataclass(frozen=True)
