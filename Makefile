@@ -6,7 +6,7 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup test serve lint clean
+.PHONY: setup test serve lint clean proto
 
 setup: $(STAMP)
 
@@ -29,6 +29,12 @@ serve: setup
 
 lint: setup
 	$(VPY) -m ruff check xllm_py tests perf tools
+
+# The cluster protocol's Python modules (committed). Run from the repository root so the
+# generated imports read `from xllm_py.distributed import cluster_pb2`.
+proto: setup
+	$(VPY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
+	    xllm_py/distributed/cluster.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -21,6 +21,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(n: int) -> int:
+    """A port p such that p .. p + n - 1 are all free now (for START_PORT + i layouts)."""
+    while True:
+        base = free_port()
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
 class Server:
     def __init__(self, *flags: str, startup_timeout: float = 120.0) -> None:
         self.port = free_port()

@@ -7,6 +7,12 @@ booleans take `--flag=true|false` (a bare `--flag` means true). Without
     xllm --model /models/DeepSeek-V3 --devices=cuda:0 --port 9977 \\
          --draft_model /models/DeepSeek-V3-MTP --draft_devices=cuda:0 --num_speculative_tokens 1
 
+A data-parallel cluster: one process per device; node 0 serves HTTP and its own replica,
+nodes 1..N-1 run a worker whose gRPC service listens on their --host:--port:
+
+    xllm --nnodes=2 --dp_size=2 --node_rank=0 --master_node_addr=10.0.0.1:9900 --port 8000
+    xllm --nnodes=2 --dp_size=2 --node_rank=1 --master_node_addr=10.0.0.1:9900 --port 9901
+
 Exit status: 0 after a clean shutdown (SIGTERM/SIGINT: stop accepting, let
 in-flight requests finish for --shutdown_timeout seconds, abort the rest);
 1 when the engine failed (in-flight requests get an error first); 2 for bad flags.
@@ -150,12 +156,42 @@ def build_parser() -> argparse.ArgumentParser:
         "the HTTP loop keeps a core: on 2 cores, 2 threads made decode 1.8x slower",
     )
 
-    g = "cluster (one process per device; multi-process serving is not implemented yet): "
-    flag("master_node_addr", default=None, help=g + "host:port of node 0's coordination service")
-    flag("nnodes", type=int, default=1, help=g + "number of processes")
+    g = "cluster (one process per device; node 0 serves HTTP, nodes 1..N-1 only a worker): "
+    flag(
+        "master_node_addr",
+        default=None,
+        help=g + "host:port of node 0's coordination service (needed when --nnodes > 1); "
+        "a worker node's own gRPC service listens on its --host:--port",
+    )
+    flag("nnodes", type=int, default=1, help=g + "number of processes (one device each)")
     flag("node_rank", type=int, default=0, help=g + "this process's rank (0 = master)")
-    flag("ep_size", type=int, default=1, help=g + "expert-parallel size")
-    flag("dp_size", type=int, default=1, help=g + "data-parallel replicas")
+    flag("ep_size", type=int, default=1, help=g + "expert-parallel size (1 for now)")
+    flag(
+        "dp_size",
+        type=int,
+        default=1,
+        help=g + "data-parallel replicas; nnodes / dp_size ranks per replica (1 for now)",
+    )
+    flag(
+        "cluster_timeout",
+        type=float,
+        default=120.0,
+        help=g + "seconds the master waits for every worker to register (and a worker for the "
+        "master to answer)",
+    )
+    flag(
+        "heartbeat_timeout",
+        type=float,
+        default=5.0,
+        help=g + "a worker silent to the master's health checks for this long is dead (the "
+        "engine fails); a worker that hears nothing from the master for this long exits 1",
+    )
+    flag(
+        "step_timeout",
+        type=float,
+        default=300.0,
+        help=g + "deadline of one engine step on a remote worker",
+    )
     flag(
         "log_level",
         default="info",
@@ -197,32 +233,45 @@ def check_args(a: argparse.Namespace) -> None:
             bad(f"--{name}={getattr(a, name)}: must be >= 1")
     if not 0 <= a.node_rank < a.nnodes:
         bad(f"--node_rank={a.node_rank}: must be in 0..nnodes-1 (--nnodes={a.nnodes})")
+    if a.nnodes > 1 and not a.master_node_addr:
+        bad(f"--nnodes={a.nnodes}: --master_node_addr=host:port of node 0 is required")
     if a.nnodes > 1 or a.ep_size > 1 or a.dp_size > 1:
-        bad(
-            f"--nnodes={a.nnodes} --ep_size={a.ep_size} --dp_size={a.dp_size}: multi-process "
-            "serving (master + workers) is not implemented yet; run with --nnodes=1"
-        )
+        cluster_options(a)  # the layout itself (divisibility, ep_size)
 
 
-def build_server(a: argparse.Namespace):
-    """The daemon, not yet running: (uvicorn server, AsyncEngine). `run` starts it; setting
-    `server.should_exit` stops it as SIGTERM would."""
-    import uvicorn
+def cluster_options(a: argparse.Namespace):
+    """The cluster flags as ClusterOptions (ValueError naming the flag if inconsistent)."""
+    from xllm_py.distributed.layout import ClusterLayout, ClusterOptions
 
+    return ClusterOptions(
+        ClusterLayout(a.nnodes, a.dp_size, a.ep_size),
+        a.node_rank,
+        a.master_node_addr or "127.0.0.1:1",
+        a.cluster_timeout,
+        a.heartbeat_timeout,
+        a.step_timeout,
+    )
+
+
+def set_cpu_threads(a: argparse.Namespace) -> None:
+    """--cpu_threads, or: one process, cores - 1 (the HTTP loop keeps one); a cluster of
+    nnodes processes on one machine, cores // nnodes each."""
+    if not a.devices.startswith("cpu"):
+        return
+    import torch
+
+    cores = os.cpu_count() or 1
+    auto = max(1, cores // a.nnodes) if a.nnodes > 1 else max(1, cores - 1)
+    torch.set_num_threads(a.cpu_threads or auto)
+
+
+def build_config(a: argparse.Namespace):
+    """The engine config; in a cluster, also checks the model splits over the layout."""
     from xllm_py.assets import bundled_model
-    from xllm_py.engine.llm_engine import LLMEngine
-    from xllm_py.entrypoints.api_server import ServerOptions, build_app
-    from xllm_py.entrypoints.async_engine import AsyncEngine
     from xllm_py.entrypoints.llm import engine_config
-    from xllm_py.entrypoints.server_metrics import ServerMetrics
 
-    if a.devices.startswith("cpu"):
-        import torch
-
-        torch.set_num_threads(a.cpu_threads or max(1, (os.cpu_count() or 1) - 1))
-    model = a.model or bundled_model()
     config = engine_config(
-        model,
+        a.model or bundled_model(),
         device=a.devices,
         dtype=a.dtype,
         block_size=a.block_size,
@@ -239,8 +288,49 @@ def build_server(a: argparse.Namespace):
         speculative_disable_batch_size=a.speculative_disable_batch_size,
         draft_device=a.draft_devices,
     )
+    if a.nnodes > 1:
+        cluster_options(a).layout.check_model(config.model)
+    return config
+
+
+def build_core(a: argparse.Namespace, config):
+    """The engine core: None (LLMEngine builds a one-node core), or on the master of a
+    cluster, the data-parallel core once every worker has registered and loaded."""
+    if a.nnodes == 1:
+        return None
+    from xllm_py.distributed.master import Cluster
+
+    cluster = Cluster(cluster_options(a), config)
+    try:
+        return cluster.start()
+    except BaseException as e:
+        cluster.shutdown(f"the master failed to start: {e}", failure=True)
+        raise
+
+
+def run_worker(a: argparse.Namespace) -> int:
+    """Nodes 1..N-1: a worker only (no HTTP)."""
+    from xllm_py.distributed.worker_node import run_worker_node
+
+    set_cpu_threads(a)
+    return run_worker_node(cluster_options(a), build_config(a), a.host, a.port)
+
+
+def build_server(a: argparse.Namespace):
+    """The daemon, not yet running: (uvicorn server, AsyncEngine). `run` starts it; setting
+    `server.should_exit` stops it as SIGTERM would."""
+    import uvicorn
+
+    from xllm_py.engine.llm_engine import LLMEngine
+    from xllm_py.entrypoints.api_server import ServerOptions, build_app
+    from xllm_py.entrypoints.async_engine import AsyncEngine
+    from xllm_py.entrypoints.server_metrics import ServerMetrics
+
+    set_cpu_threads(a)
+    config = build_config(a)
+    model = config.model.path
     name = a.served_model_name or os.path.basename(os.path.normpath(str(model)))
-    engine = AsyncEngine(LLMEngine(config))
+    engine = AsyncEngine(LLMEngine(config, build_core(a, config)))
     metrics = ServerMetrics(name)
     metrics.attach(engine)
     app = build_app(
@@ -289,6 +379,9 @@ def run(server, engine) -> int:
     finally:
         engine.draining = True
         engine.shutdown()
+        # a cluster's workers exit with the master: non-zero after a failure
+        reason = f"the master's engine failed: {engine.dead}" if engine.dead else "master exiting"
+        engine.engine.core.shutdown(reason, failure=engine.dead is not None)
     if engine.dead is not None:
         return 1
     return 0 if server.started else 1
@@ -300,12 +393,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from xllm_py.executor.grpc_executor import WorkerFailedError
+
     try:
         check_args(args)
+        if args.nnodes > 1 and args.node_rank > 0:
+            return run_worker(args)
         server, engine = build_server(args)
     except (ValueError, FileNotFoundError) as e:  # configuration errors: one line, exit 2
         print(f"xllm: error: {e}", file=sys.stderr)
         return 2
+    except (TimeoutError, WorkerFailedError) as e:  # a cluster that could not start
+        print(f"xllm: error: {e}", file=sys.stderr)
+        return 1
     return run(server, engine)
 
 

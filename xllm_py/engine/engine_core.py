@@ -103,6 +103,11 @@ class EngineCore:
     def finish_request(self, req_id: str, reason: str = "abort") -> None:
         self.scheduler.finish_request(req_id, reason)
 
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Unfinished requests by id."""
+        return self.scheduler.requests
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -115,3 +120,6 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def shutdown(self, reason: str = "shutting down", failure: bool = False) -> None:
+        self.executor.shutdown(reason, failure)

@@ -23,10 +23,12 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
+        """core: the engine core to drive (e.g. a DataParallelEngineCore); default: one
+        EngineCore with an in-process worker."""
         self.config = config
         self.tokenizer = Tokenizer.from_dir(config.model.path)
-        self.core = EngineCore(config)
+        self.core = core if core is not None else EngineCore(config)
         self.states: dict[str, RequestState] = {}
         self._last_log = time.monotonic()
 

@@ -200,7 +200,7 @@ class AsyncEngine:
 
     def _publish(self, outs: list[RequestOutput], step_start: float) -> None:
         now = time.monotonic()
-        sched = self.engine.core.scheduler.requests
+        sched = self.engine.core.requests
         with self._lock:
             streams = dict(self._streams)
         for req_id, s in streams.items():

@@ -17,3 +17,6 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self, reason: str = "shutting down", failure: bool = False) -> None:  # noqa: B027
+        """Release the workers; remote ones are told why and whether to exit non-zero."""

@@ -11,6 +11,10 @@ MoE) with three extra pieces in front and one behind:
 copies (`embed_tokens`, `shared_head.head`), which the loader checks are equal
 to the target's and then drops.
 
+Tensor/expert parallel: the decoder block is sharded exactly like the
+target's layers (same classes, same `ParallelContext`, by default the
+target's); enorm, hnorm, eh_proj and shared_head.norm are replicated.
+
 Checkpoint layouts (`draft_name_map`):
   in the target checkpoint  model.layers.{N + j}.{block | enorm | hnorm | eh_proj | shared_head.*}
   exported (tools/export_deepseek_mtp.py)
@@ -29,6 +33,7 @@ import torch
 from torch import nn
 
 from xllm_py.config import ModelConfig
+from xllm_py.distributed.parallel import SINGLE, ParallelContext
 from xllm_py.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, process_tree
 from xllm_py.models.layers.linear import Linear
 from xllm_py.models.layers.norm import RMSNorm
@@ -43,9 +48,9 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    def __init__(self, cfg: ModelConfig, j: int) -> None:
+    def __init__(self, cfg: ModelConfig, j: int, parallel: ParallelContext = SINGLE) -> None:
         n = cfg.num_hidden_layers
-        super().__init__(cfg, layer_idx=n + j, cache_index=n + j)
+        super().__init__(cfg, layer_idx=n + j, cache_index=n + j, parallel=parallel)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)
@@ -58,10 +63,15 @@ class MTPLayer(DecoderLayer):
 
 
 class DeepseekV3MTP(nn.Module):
-    """The draft: `num_mtp_layers` MTP layers on top of a loaded target model."""
+    """The draft: `num_mtp_layers` MTP layers on top of a loaded target model, sharded like
+    it (`parallel` defaults to the target's)."""
 
     def __init__(
-        self, cfg: ModelConfig, target: DeepseekV3ForCausalLM, num_mtp_layers: int
+        self,
+        cfg: ModelConfig,
+        target: DeepseekV3ForCausalLM,
+        num_mtp_layers: int,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         if num_mtp_layers < 1:
@@ -70,7 +80,8 @@ class DeepseekV3MTP(nn.Module):
                 "layer to draft with"
             )
         self.config = cfg
-        self.layers = nn.ModuleList(MTPLayer(cfg, j) for j in range(num_mtp_layers))
+        self.parallel = target.parallel if parallel is None else parallel
+        self.layers = nn.ModuleList(MTPLayer(cfg, j, self.parallel) for j in range(num_mtp_layers))
         # Shared with the target, deliberately not registered (not part of this model's state).
         self._target = [target]
 

@@ -11,6 +11,10 @@ Parameter names mirror the checkpoint, so loading is a name-for-name copy;
 `process_weights_after_loading` then fuses and re-lays weights for speed.
 The model knows nothing of requests or blocks: the batch layout arrives
 through `models.context`.
+
+Tensor/expert parallelism (`parallel`, distributed/parallel.py) lives in the
+layers' sharded linears and the MoE; the embedding, the final norm and lm_head
+are replicated, so every rank returns the same hidden states and logits.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_py.config import ModelConfig
+from xllm_py.distributed.parallel import SINGLE, ParallelContext
 from xllm_py.models.layers.linear import Linear
 from xllm_py.models.layers.mla import MLAttention
 from xllm_py.models.layers.mlp import MLP
@@ -29,11 +34,20 @@ from xllm_py.models.layers.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, cache_index: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        cache_index: int | None = None,
+        parallel: ParallelContext = SINGLE,
+    ) -> None:
         super().__init__()
-        self.self_attn = MLAttention(cfg, layer_idx if cache_index is None else cache_index)
+        cache_index = layer_idx if cache_index is None else cache_index
+        self.self_attn = MLAttention(cfg, cache_index, parallel)
         self.mlp = (
-            MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+            MoE(cfg, parallel)
+            if cfg.is_moe_layer(layer_idx)
+            else MLP(cfg.hidden_size, cfg.intermediate_size, parallel)
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -44,23 +58,31 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
+        # Replicated on every rank (like lm_head, not vocab-split).
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size,
             cfg.hidden_size,
             _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
             _freeze=True,
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, parallel=parallel) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """`parallel`: this process's place in its tensor/expert-parallel replica (default: one
+    process, nothing split). The embedding and lm_head are replicated, not vocab-split:
+    every rank computes the same full logits, no gather needed."""
+
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DeepseekV3Model(cfg)
+        self.parallel = parallel
+        self.model = DeepseekV3Model(cfg, parallel)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -6,6 +6,12 @@ layouts are both accepted; FP8 block-quantised weights are dequantised on the
 way (`weights.fp8`). Every mismatch is an error that names the tensor:
 unexpected names, missing names, shapes (checkpoint vs model), unreadable or
 missing shard files.
+
+Tensor/expert parallel models load the same checkpoint on every rank: a
+parameter with a `shard` (models/layers/linear.py `Shard`) takes its slice of
+the full, dequantised tensor; a module listing `remote_weight_prefixes` (MoE
+under expert parallelism) names the weights another rank holds, which are
+skipped here.
 """
 
 from __future__ import annotations
@@ -126,12 +132,14 @@ def load_weights(
     """Copy checkpoint tensors into the model's parameters and buffers.
 
     `select(name)` gives the model name a checkpoint tensor loads into, or None to
-    leave it (it belongs to another model, e.g. the MTP draft). Raises ValueError
+    leave it (it belongs to another model, e.g. the MTP draft). Tensors held by
+    another rank are left too; sharded parameters get their slice. Raises ValueError
     naming the first unexpected, mis-shaped or missing tensor.
     """
     targets = _unique_state(model)
+    remote = _remote_prefixes(model)
     wanted = {n: select(n) for n in ckpt.names}
-    wanted = {n: t for n, t in wanted.items() if t is not None}
+    wanted = {n: t for n, t in wanted.items() if t is not None and not _is_remote(t, remote)}
     unexpected = [n for n, t in wanted.items() if t not in targets]
     if unexpected:
         shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
@@ -139,11 +147,20 @@ def load_weights(
     loaded = set()
     for name, tensor in ckpt.tensors(list(wanted)):  # copy_ casts to each target's dtype
         target = targets[wanted[name]]
-        if tuple(tensor.shape) != tuple(target.shape):
+        shard = getattr(target, "shard", None)
+        expected = tuple(target.shape) if shard is None else shard.full_shape(target.shape)
+        if tuple(tensor.shape) != expected:
+            split = (
+                f" (split {shard.parts} ways on dim {shard.dim})"
+                if shard and shard.parts > 1
+                else ""
+            )
             raise ValueError(
                 f"{ckpt.path}: tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint "
-                f"but the model expects {tuple(target.shape)}"
+                f"but the model expects {expected}{split}"
             )
+        if shard is not None:
+            tensor = shard.take(tensor)
         with torch.no_grad():
             target.copy_(tensor)
         loaded.add(wanted[name])
@@ -151,6 +168,26 @@ def load_weights(
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"{ckpt.path}: tensor(s) missing from checkpoint: {shown}")
+
+
+def _remote_prefixes(model: nn.Module) -> set[str]:
+    """Full-name prefixes (ending in '.') of weights that other ranks hold."""
+    out = set()
+    for mod_name, module in model.named_modules():
+        for p in getattr(module, "remote_weight_prefixes", ()):
+            out.add(f"{mod_name}.{p}" if mod_name else p)
+    return out
+
+
+def _is_remote(name: str, remote: set[str]) -> bool:
+    if not remote:
+        return False
+    i = name.find(".")
+    while i >= 0:
+        if name[: i + 1] in remote:
+            return True
+        i = name.find(".", i + 1)
+    return False
 
 
 def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from xllm_py.config import EngineConfig
+from xllm_py.distributed.parallel import SINGLE, ParallelContext
 from xllm_py.executor.messages import ModelRunnerOutput, SchedulerOutput
 from xllm_py.models.deepseek_mtp import (
     DeepseekV3MTP,
@@ -38,11 +39,17 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def load_target_model(config: EngineConfig, device: torch.device, dtype: torch.dtype):
+def load_target_model(
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    parallel: ParallelContext = SINGLE,
+):
+    """The target model, holding this rank's shard (`parallel`; default: all of it)."""
     mcfg = config.model
     ckpt = Checkpoint(mcfg.path, Fp8Config.from_quantization_config(mcfg.quantization_config))
     with default_dtype(dtype), torch.device(device):
-        model = DeepseekV3ForCausalLM(mcfg)
+        model = DeepseekV3ForCausalLM(mcfg, parallel)
     n = mcfg.num_hidden_layers
 
     def target_only(name: str) -> str | None:  # layers >= num_hidden_layers are the MTP draft's
@@ -60,10 +67,12 @@ def load_draft_model(
     draft_path: str | None,
     device: torch.device,
     dtype: torch.dtype,
+    parallel: ParallelContext | None = None,
 ) -> DeepseekV3MTP:
     """The MTP draft from an exported directory, or (draft_path None) from the target's own
     checkpoint. Its copies of the embedding and head are checked equal to the target's and
-    dropped: the draft uses the target's in memory."""
+    dropped: the draft uses the target's in memory. Sharded like the target unless
+    `parallel` says otherwise."""
     mcfg = config.model
     if draft_path:
         num_mtp = read_draft_config(draft_path, mcfg)
@@ -72,7 +81,7 @@ def load_draft_model(
         num_mtp = mcfg.num_nextn_predict_layers
         ckpt = Checkpoint(mcfg.path, Fp8Config.from_quantization_config(mcfg.quantization_config))
     with default_dtype(dtype), torch.device(device):
-        draft = DeepseekV3MTP(mcfg, target, num_mtp)
+        draft = DeepseekV3MTP(mcfg, target, num_mtp, parallel)
     mapping = draft_name_map(ckpt.names, mcfg.num_hidden_layers, num_mtp, exported=bool(draft_path))
     load_weights(
         draft, ckpt, lambda name: None if isinstance(mapping[name], tuple) else mapping[name]
@@ -97,13 +106,16 @@ def available_memory(device: torch.device) -> int:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel: ParallelContext = SINGLE) -> None:
+        """`parallel`: this rank's place in its replica (tensor/expert parallel); the draft
+        is sharded the same way on the same rank."""
         self.config = config
+        self.parallel = parallel
         self.device = torch.device(config.device.device)
         self.dtype = config.device.torch_dtype()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model = load_target_model(config, self.device, self.dtype)
+        self.model = load_target_model(config, self.device, self.dtype, parallel)
         self.draft: DeepseekV3MTP | None = None
         if config.spec.num_speculative_tokens:
             self.draft = load_draft_model(

@@ -12,6 +12,13 @@ Two equivalent forms (tests check they agree):
             folded into the query (q_nope @ W_UK is a latent query) and its
             value half W_UV into the output, so attention runs directly over
             the cached latents (decode, draft verification).
+
+Tensor parallel: heads split across the tp ranks. q_b_proj (or q_proj) and
+kv_b_proj are column-split by head (their output rows are grouped per head),
+o_proj is row-split and its output all-reduced; q_a_proj, kv_a_proj_with_mqa
+and the norms are replicated. `num_heads` is this rank's head count, so both
+forms work on the local heads only; the cached latent is per token and full on
+every rank.
 """
 
 from __future__ import annotations
@@ -21,17 +28,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_py.config import ModelConfig
+from xllm_py.distributed.parallel import SINGLE, ParallelContext
 from xllm_py.models.context import AttnGroup, get_forward_context
-from xllm_py.models.layers.linear import Linear, gemm_layout
+from xllm_py.models.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    RowParallelLinear,
+    gemm_layout,
+)
 from xllm_py.models.layers.norm import RMSNorm
 from xllm_py.models.layers.rope import apply_rope
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, cache_index: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, cache_index: int, parallel: ParallelContext = SINGLE
+    ) -> None:
         super().__init__()
         self.cache_index = cache_index  # which layer of the paged cache this attention owns
-        self.num_heads = cfg.num_attention_heads
+        self.num_heads = parallel.split(cfg.num_attention_heads, "num_attention_heads")  # local
         self.q_lora_rank = cfg.q_lora_rank
         self.kv_lora_rank = cfg.kv_lora_rank
         self.nope_dim = cfg.qk_nope_head_dim
@@ -40,15 +55,17 @@ class MLAttention(nn.Module):
         self.scale = cfg.softmax_scale
         hidden, heads, qk_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(hidden, heads * qk_dim)
+            self.q_proj = ColumnParallelLinear(hidden, heads * qk_dim, parallel)
         else:
             self.q_a_proj = Linear(hidden, cfg.q_lora_rank)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = Linear(cfg.q_lora_rank, heads * qk_dim)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * qk_dim, parallel)
         self.kv_a_proj_with_mqa = Linear(hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.o_proj = Linear(heads * cfg.v_head_dim, hidden)
+        self.kv_b_proj = ColumnParallelLinear(
+            cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), parallel
+        )
+        self.o_proj = RowParallelLinear(heads * cfg.v_head_dim, hidden, parallel)
 
     def process_weights_after_loading(self) -> None:
         # Every projection that reads x runs as one matmul: [q (or q_a) | c_kv | k_pe].

@@ -1,8 +1,13 @@
-"""SwiGLU MLP: dense layers and shared experts.
+"""SwiGLU MLP: dense layers, shared experts and (as weights) routed experts.
 
 Loaded as `gate_proj`, `up_proj`, `down_proj` (checkpoint names); after
 loading, gate and up are fused into one `[2 * inter, hidden]` matrix so a
 token costs two matmuls, not three.
+
+Tensor parallel: gate/up split on the intermediate dim (rows), down_proj on its
+input dim, so each rank's output is a partial sum. A dense MLP all-reduces it;
+inside a MoE layer (`reduce=False`) the MoE adds routed and shared partial sums
+and reduces once.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xllm_py.models.layers.linear import Linear, gemm_layout
+from xllm_py.distributed.parallel import SINGLE, ParallelContext
+from xllm_py.models.layers.linear import ColumnParallelLinear, RowParallelLinear, gemm_layout
 
 
 def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -20,11 +26,26 @@ def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    """`parallel`: how to split the intermediate dim (SINGLE: whole, e.g. an expert owned
+    by this rank under expert parallelism). `name`: the config field of
+    `intermediate_size`, named in the divisibility error."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelContext = SINGLE,
+        reduce: bool = True,
+        name: str = "intermediate_size",
+    ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size)
-        self.up_proj = Linear(hidden_size, intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        parallel.split(intermediate_size, name)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel)
+        # The fused forward below multiplies by down_proj.weight and reduces itself.
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel, reduce=False)
+        self.parallel = parallel
+        self.reduce = reduce
         self.w13: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
@@ -32,4 +53,5 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.w13, self.down_proj.weight)
+        y = swiglu(x, self.w13, self.down_proj.weight)
+        return self.parallel.all_reduce(y) if self.reduce else y

@@ -10,6 +10,14 @@ Routing, in float32 (DESIGN.md section 3):
              * routed_scaling_factor
 Expert execution sorts the T * top_k (token, expert) assignments by expert so
 each active expert runs one matmul over all of its tokens.
+
+Parallel (distributed/parallel.py): routing is replicated, so every rank picks
+the same experts. ep_size == 1: every expert is split on its intermediate dim.
+ep_size > 1: this rank holds experts [first_expert, first_expert + E/ep) whole
+(`experts` is keyed by global id, so checkpoint names load unchanged; the other
+ranks' experts are `remote_weight_prefixes`, which the loader skips) and runs
+only the assignments to them. Either way the routed and shared partial sums are
+added and all-reduced once.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_py.config import ModelConfig
+from xllm_py.distributed.parallel import SINGLE, ParallelContext
 from xllm_py.models.layers.linear import gemm_layout
 from xllm_py.models.layers.mlp import MLP, swiglu
 
@@ -64,28 +73,52 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        self.num_experts = cfg.n_routed_experts
+        E, ep = cfg.n_routed_experts, parallel.ep_size
+        self.parallel = parallel
+        self.num_experts = E
+        self.num_local_experts = parallel.split(E, "n_routed_experts", over="ep_size")
+        self.first_expert = parallel.ep_rank * self.num_local_experts
+        local = range(self.first_expert, self.first_expert + self.num_local_experts)
+        self.remote_weight_prefixes = tuple(f"experts.{e}." for e in range(E) if e not in local)
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
+        # Under expert parallelism an owned expert is whole on this rank.
+        expert_parallel = SINGLE if ep > 1 else parallel
+        self.experts = nn.ModuleDict(
+            {
+                str(e): MLP(
+                    cfg.hidden_size,
+                    cfg.moe_intermediate_size,
+                    expert_parallel,
+                    reduce=False,
+                    name="moe_intermediate_size",
+                )
+                for e in local
+            }
         )
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            MLP(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size * cfg.n_shared_experts,
+                parallel,
+                reduce=False,
+                name="moe_intermediate_size * n_shared_experts",
+            )
             if cfg.n_shared_experts
             else None
         )
-        self.w13: torch.Tensor | None = None  # [E, 2 * inter, hidden] after loading
-        self.w2: torch.Tensor | None = None  # [E, hidden, inter]
+        self.w13: torch.Tensor | None = None  # [E_local, 2 * inter_local, hidden] after loading
+        self.w2: torch.Tensor | None = None  # [E_local, hidden, inter_local]
 
     def process_weights_after_loading(self) -> None:
         # Runs before the model visits children: the per-expert modules are gone by then.
         # The shared experts are processed on their own.
+        experts = list(self.experts.values())
         self.w13 = gemm_layout(
-            torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
+            torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
         )
-        self.w2 = gemm_layout(torch.stack([e.down_proj.weight for e in self.experts]))
+        self.w2 = gemm_layout(torch.stack([e.down_proj.weight for e in experts]))
         del self.experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +126,7 @@ class MoE(nn.Module):
         out = self._routed(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.parallel.all_reduce(out)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         weights = weights.to(x.dtype)
@@ -106,23 +139,29 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """Few tokens (decode at small batch): one expert call per (token, expert) pair
         costs fewer ops than sorting and scattering."""
-        rows = []
+        rows, first, n_local = [], self.first_expert, self.num_local_experts
         for t, experts in enumerate(ids.tolist()):
             xt, out = x[t : t + 1], None
             for j, e in enumerate(experts):
-                y = swiglu(xt, self.w13[e], self.w2[e]) * weights[t, j]
+                if not first <= e < first + n_local:
+                    continue  # another rank's expert
+                y = swiglu(xt, self.w13[e - first], self.w2[e - first]) * weights[t, j]
                 out = y if out is None else out + y
-            rows.append(out)
+            rows.append(torch.zeros_like(xt) if out is None else out)
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def _routed_grouped(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        top_k = ids.shape[1]
+        top_k, n_local = ids.shape[1], self.num_local_experts
         flat_ids = ids.view(-1)
+        if n_local < self.num_experts:  # local expert ids; another rank's -> n_local (sorts last)
+            flat_ids = flat_ids - self.first_expert
+            flat_ids = flat_ids.masked_fill((flat_ids < 0) | (flat_ids >= n_local), n_local)
         order = flat_ids.argsort()  # assignments grouped by expert
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        token_of = order // top_k  # [T * top_k] source token of each sorted assignment
+        counts = torch.bincount(flat_ids, minlength=n_local + 1).tolist()[:n_local]
+        order = order[: sum(counts)]  # drop the assignments to other ranks' experts
+        token_of = order // top_k  # [assignments] source token of each sorted assignment
         xs = x[token_of]
         ys = torch.empty_like(xs)
         start = 0

@@ -1,0 +1,371 @@
+"""Master + workers over gRPC: the wire format, a 2-node data-parallel cluster of real
+`python -m xllm_py` processes on loopback, registration refusals, a worker killed
+mid-stream, and a master whose worker never comes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_utils import ROOT, free_port, free_port_range
+from xllm_py import LLM, SamplingParams
+from xllm_py.distributed import cluster_pb2 as pb
+from xllm_py.distributed.layout import ClusterLayout
+from xllm_py.distributed.wire import (
+    output_from_pb,
+    output_to_pb,
+    sampling_from_pb,
+    sampling_to_pb,
+    sched_from_pb,
+    sched_to_pb,
+)
+from xllm_py.entrypoints.llm import engine_config
+from xllm_py.executor.messages import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+MODEL = "tiny-deepseek-v3-mtp"
+PROMPTS = [
+    f"<|bos|><|user|>\n{q}\n<|assistant|>\n"
+    for q in (
+        "How do I reverse a list in Python?",
+        "Write a short poem about the sea.",
+        "What is the capital of France?",
+        "Tell me about the moon.",
+        "Explain recursion to a child.",
+        "Give me three tips for sleeping well.",
+        "What is a prime number?",
+        "Summarise the plot of Hamlet.",
+        "How do airplanes stay in the air?",
+        "Name some colours of the rainbow.",
+    )
+]
+MAX_TOKENS = 24
+
+
+# ---- (a) the wire format ----------------------------------------------------------------------
+
+
+def test_sampling_params_round_trip():
+    for sp in (
+        SamplingParams(),
+        SamplingParams(
+            max_tokens=None,
+            min_tokens=3,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=5,
+            min_p=0.05,
+            seed=-12345678901,
+            stop=["\n\n", "END"],
+            stop_token_ids=[1, 2],
+            ignore_eos=True,
+            logprobs=0,
+            include_stop_str_in_output=True,
+            skip_special_tokens=False,
+        ),
+        SamplingParams(temperature=0, seed=0, logprobs=None),
+    ):
+        assert sampling_from_pb(sampling_to_pb(sp)) == sp
+
+
+def test_scheduler_output_round_trip():
+    sched = SchedulerOutput(
+        new_requests=[
+            NewRequestData("b", [5, 6, 7], 2, SamplingParams(seed=3, logprobs=2), [4, 1], 0),
+            NewRequestData("a", [9], 1, SamplingParams(temperature=0), [], 0),
+        ],
+        cached_requests=[CachedRequestData("c", [11, 12], [], 40)],
+        num_scheduled_tokens={"c": 3, "b": 3, "a": 1},  # scheduling order, not sorted
+        spec_token_ids={"c": [12, 13]},
+        finished_req_ids={"x", "y"},
+    )
+    back = sched_from_pb(pb.ExecuteStepRequest.FromString(sched_to_pb(sched).SerializeToString()))
+    assert back == sched
+    assert list(back.num_scheduled_tokens) == ["c", "b", "a"]
+    assert sched_from_pb(sched_to_pb(SchedulerOutput())) == SchedulerOutput()
+
+
+def test_model_runner_output_round_trip():
+    out = ModelRunnerOutput(
+        req_ids=["c", "b", "a"],
+        sampled_token_ids=[[12, 40], [], [7]],
+        # the chosen token first, then the top N (its order is meaningful)
+        logprobs=[[{40: -0.25, 3: -1.5}, {12: -2.0, 40: -0.1}], None, [{7: -float("inf")}]],
+        draft_token_ids=[[41], [], [8]],
+    )
+    back = output_from_pb(pb.ExecuteStepReply.FromString(output_to_pb(out).SerializeToString()))
+    assert back == out
+    assert [list(d) for d in back.logprobs[0]] == [[40, 3], [12, 40]]
+    plain = ModelRunnerOutput(["a"], [[1]], [None])  # speculation off: no drafts at all
+    assert output_from_pb(output_to_pb(plain)) == plain
+    assert output_from_pb(output_to_pb(ModelRunnerOutput([], [], [], []))).draft_token_ids == []
+
+
+def test_layout_errors_name_the_numbers():
+    with pytest.raises(ValueError, match="--nnodes=3 is not divisible by --dp_size=2"):
+        ClusterLayout(3, 2)
+    with pytest.raises(ValueError, match="--ep_size=2: must be 1 or the ranks per replica"):
+        ClusterLayout(2, 2, 2)
+    model = engine_config().model  # the bundled model's: 4 heads, 8 routed experts
+    with pytest.raises(ValueError, match="num_attention_heads=4 .* not divisible by the 3 ranks"):
+        ClusterLayout(3, 1).check_model(model)
+    six_heads = types.SimpleNamespace(num_attention_heads=6, n_routed_experts=8, path="m")
+    with pytest.raises(ValueError, match="n_routed_experts=8 .* not divisible by --ep_size=3"):
+        ClusterLayout(3, 1, 3).check_model(six_heads)
+    assert ClusterLayout(4, 2).ranks_of(1) == [2, 3]
+
+
+def test_cli_refuses_bad_cluster_flags():
+    def err(*flags):
+        r = subprocess.run(
+            [sys.executable, "-m", "xllm_py", *flags], cwd=ROOT, capture_output=True, text=True
+        )
+        assert r.returncode == 2, r.stderr
+        return r.stderr
+
+    assert "--node_rank=2: must be in 0..nnodes-1" in err("--nnodes=2", "--node_rank=2")
+    assert "--master_node_addr" in err("--nnodes=2", "--dp_size=2")
+    assert "not divisible by --dp_size=2" in err(
+        "--nnodes=3", "--dp_size=2", "--master_node_addr=127.0.0.1:1"
+    )
+    assert "num_attention_heads=4" in err("--nnodes=3", "--master_node_addr=127.0.0.1:1")
+
+
+# ---- real processes -----------------------------------------------------------------------------
+
+
+class Node:
+    """One `python -m xllm_py` process of a cluster, its output in a log file."""
+
+    def __init__(self, name: str, *flags: str) -> None:
+        self.log_path = Path(f"/tmp/xllm-test-cluster-{name}-{os.getpid()}.log")
+        self.log = open(self.log_path, "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "xllm_py", *flags],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+class Cluster:
+    """Master (node 0, HTTP on `url`) and one worker, as a test would start them by hand."""
+
+    def __init__(
+        self,
+        *flags: str,
+        worker_flags: tuple[str, ...] = (),
+        worker: bool = True,
+        layout: tuple[str, ...] = ("--dp_size=2",),
+    ):
+        self.http, self.worker_port = free_port(), free_port()
+        self.master_port = free_port_range(2)  # + 1: the torch.distributed rendezvous
+        self.url = f"http://127.0.0.1:{self.http}"
+        common = ("--nnodes=2", *layout, f"--master_node_addr=127.0.0.1:{self.master_port}")
+        self.master = Node("master", f"--port={self.http}", "--node_rank=0", *common, *flags)
+        self.worker = None
+        if worker:
+            self.worker = Node(
+                "worker",
+                f"--port={self.worker_port}",
+                "--node_rank=1",
+                *common,
+                *flags,
+                *worker_flags,
+            )
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.master.proc.poll() is not None:
+                raise RuntimeError(f"master exited:\n{self.master.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"cluster did not come up:\n{self.master.output()}")
+
+    def kill(self) -> None:
+        for node in (self.master, self.worker):
+            if node is not None:
+                node.kill()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+
+@pytest.fixture(scope="module")
+def offline_greedy():
+    llm = LLM(dtype="float32")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    return [o.outputs[0].text for o in outs]
+
+
+def complete(url: str, prompt: str) -> str:
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
+        timeout=120,
+    )
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def replica_steps(cluster: Cluster) -> int:
+    """ExecuteStep calls the worker (replica 1) has served, from its Health RPC."""
+    import grpc
+
+    from xllm_py.distributed import cluster_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.worker_port}") as ch:
+        return pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=5).steps
+
+
+LAYOUTS = {
+    "dp": ("--dp_size=2",),  # two full replicas
+    "tp": ("--dp_size=1",),  # one replica over two ranks: heads and expert columns split
+    "ep": ("--dp_size=1", "--ep_size=2"),  # experts partitioned between the two ranks
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("k", [1, 0], ids=["mtp", "plain"])
+def test_two_node_greedy_equals_one_node(layout, k, offline_greedy):
+    """Every output is the offline API's; the worker served steps (as replica 1, or as rank
+    1 of the one replica); SIGTERM on the master stops the worker too, both exit 0."""
+    with Cluster("--dtype=float32", f"--num_speculative_tokens={k}", layout=LAYOUTS[layout]) as c:
+        c.wait_healthy()
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: complete(c.url, p), PROMPTS))
+        assert got == offline_greedy
+        assert replica_steps(c) > 0, "the worker served no step"
+        c.master.proc.send_signal(signal.SIGTERM)
+        assert c.master.wait(60) == 0
+        assert c.worker.wait(30) == 0, c.worker.output()
+
+
+def test_worker_with_other_config_is_refused():
+    with Cluster("--dtype=float32", "--cluster_timeout=60", worker_flags=("--block_size=32",)) as c:
+        assert c.worker.wait(60) == 2
+        out = c.worker.output()
+        assert "registration refused" in out and "block_size: master 128, worker 32" in out
+        assert "block_size: master 128, worker 32" in c.master.output()
+        assert c.master.proc.poll() is None  # still waiting for a good node 1
+
+
+def test_master_times_out_naming_missing_rank():
+    with Cluster("--dtype=float32", "--cluster_timeout=2", worker=False) as c:
+        assert c.master.wait(60) == 1
+        assert "no worker registered for node rank(s) 1 within --cluster_timeout=2 s" in (
+            c.master.output()
+        )
+
+
+def stream_until_error(url: str, prompt: str, started) -> tuple[list[dict], bool, float]:
+    """SSE events of one streamed completion: (json events, saw [DONE], seconds after the
+    first token that the stream ended)."""
+    events, done, first = [], False, None
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 1500,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                done = True
+                continue
+            events.append(json.loads(data))
+            if first is None:
+                first = time.monotonic()
+                started()
+    return events, done, time.monotonic() - (first or time.monotonic())
+
+
+def test_worker_killed_mid_stream_fails_every_client():
+    with Cluster("--dtype=float32") as c:
+        c.wait_healthy()
+        started = concurrent.futures.Future()
+        counter = []
+
+        def on_first():
+            counter.append(1)
+            if len(counter) == 4 and not started.done():
+                started.set_result(None)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futs = [pool.submit(stream_until_error, c.url, p, on_first) for p in PROMPTS[:4]]
+            started.result(60)  # every stream has its first token: both replicas are busy
+            killed = time.monotonic()
+            c.worker.proc.kill()
+            results = [f.result(30) for f in futs]
+        elapsed = time.monotonic() - killed
+        assert elapsed < 15
+        for events, done, _ in results:
+            assert "error" in events[-1], events[-1]
+            assert done
+        assert any("worker rank 1" in e[-1]["error"]["message"] for e, _, _ in results)
+        health = None
+        try:
+            health = httpx.get(c.url + "/health", timeout=2).status_code
+        except httpx.TransportError:
+            pass  # already gone: also not healthy
+        assert health in (None, 503)
+        assert c.master.wait(30) == 1
+        assert c.worker.proc.poll() is not None
+
+
+@pytest.mark.parametrize("victim", ["worker", "master"])
+def test_idle_node_killed_the_other_exits_nonzero(victim):
+    """No request in flight: the master notices a dead worker by its health checks (503,
+    exit 1); a worker notices a dead master by the silence (exit 1)."""
+    with Cluster("--dtype=float32", "--heartbeat_timeout=3") as c:
+        c.wait_healthy()
+        killed = time.monotonic()
+        if victim == "worker":
+            c.worker.proc.kill()
+            assert c.master.wait(20) == 1
+            assert "stopped answering health checks" in c.master.output()
+        else:
+            c.master.proc.kill()
+            assert c.worker.wait(20) == 1
+            assert "no word from the master" in c.worker.output()
+        assert time.monotonic() - killed < 10

@@ -1,0 +1,251 @@
+"""Tensor and expert parallelism (DESIGN.md section 2) across real processes: two ranks
+joined by torch.distributed (gloo) each load their shard and run the whole engine
+(scheduler, paged latent cache, MTP drafts); their greedy tokens, and the hidden states
+and logits of every sampled step, must match one process's.
+
+Without processes: each rank's shard holds exactly its slice of the checkpoint (FP8
+dequantised first), and impossible layouts are refused with errors naming the numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tools.make_random_checkpoint import BASE_CONFIG, make_random_checkpoint
+from xllm_py import LLM, SamplingParams
+from xllm_py.config import ModelConfig
+from xllm_py.distributed.parallel import ParallelContext
+from xllm_py.models.deepseek_mtp import DeepseekV3MTP
+from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
+from xllm_py.weights.fp8 import Fp8Config
+from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
+
+WORLD = 2
+DEADLINE_S = 120  # a rank that outlives this is killed (normal runs take ~15 s)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+# Long prompts take the expanded attention form, decode steps the absorbed one; one token
+# per step of 4 requests routes 8 or 12 assignments (both MoE execution paths run).
+PROMPTS = [[5, 6, 7], list(range(10, 40)), [200, 3, 17, 90, 41, 8, 8, 9, 100, 12], [42]]
+
+
+def generate(path, k: int, parallel: ParallelContext | None = None):
+    """Greedy tokens for PROMPTS, and every (hidden, logits) pair the engine sampled from."""
+    import xllm_py.executor.inproc as inproc
+
+    if parallel is not None:  # this rank's Worker holds its shard (as a cluster node's does)
+        inproc.Worker = functools.partial(inproc.Worker, parallel=parallel)
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        block_size=16,
+        max_cache_size=4 << 20,  # same block count on every rank, whatever RAM is free
+        num_speculative_tokens=k,
+    )
+    model = llm.engine.core.executor.worker.model
+    seen = []
+
+    def compute_logits(hidden, _inner=model.compute_logits):
+        logits = _inner(hidden)
+        seen.append((hidden.clone(), logits.clone()))
+        return logits
+
+    model.compute_logits = compute_logits  # the draft calls the target's too
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    return [o.outputs[0].token_ids for o in outs], seen
+
+
+def _rank_main(rank: int, port: int, ep_size: int, jobs, out_dir: Path) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD,
+            timeout=timedelta(seconds=DEADLINE_S),
+        )
+        parallel = ParallelContext.from_group(ep_size=ep_size)
+        assert (parallel.tp_rank, parallel.tp_size, parallel.ep_size) == (rank, WORLD, ep_size)
+        results = [generate(path, k, parallel) for path, k in jobs]
+        # gloo cannot sum bf16: the context sums in float32 and gives bf16 back
+        x = parallel.all_reduce(torch.full((3,), rank + 1.5, dtype=torch.bfloat16))
+        assert x.dtype == torch.bfloat16 and x.tolist() == [4.0] * 3
+        torch.save(results, out_dir / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        (out_dir / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(ep_size: int, jobs, out_dir: Path):
+    """Both ranks' results; a failing or hanging rank fails the test, and no process
+    outlives it."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, ep_size, jobs, out_dir), daemon=True)
+        for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break  # the other rank would wait in a collective: stop it now
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    errors = [f.read_text() for f in sorted(out_dir.glob("rank*.err"))]
+    assert not errors, "\n".join(errors)
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * WORLD, f"rank exit codes {codes} (killed after {DEADLINE_S} s?)"
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(tmp_path_factory):
+    """q-LoRA, grouped routing, one dense layer, one MTP layer."""
+    return make_random_checkpoint(tmp_path_factory.mktemp("tp_mtp"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def jobs(mtp_ckpt, tiny_model_dir):
+    # tiny_model_dir: written by HF transformers, no q-LoRA (q_proj split), no MTP layer.
+    return [(mtp_ckpt, 0), (mtp_ckpt, 1), (tiny_model_dir, 0)]
+
+
+@pytest.fixture(scope="module")
+def single(jobs):
+    return [generate(path, k) for path, k in jobs]
+
+
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2_ep2"])
+def test_two_ranks_generate_like_one_process(jobs, single, ep_size, tmp_path):
+    ranks = run_ranks(ep_size, jobs, tmp_path)
+    for (path, k), (tokens, seen), *per_rank in zip(jobs, single, *ranks):
+        assert all(len(t) == GREEDY.max_tokens for t in tokens) and seen
+        for r, (r_tokens, r_seen) in enumerate(per_rank):
+            where = f"{Path(path).name} k={k} rank {r}"
+            assert r_tokens == tokens, where
+            assert len(r_seen) == len(seen), where
+            for (h, logits), (rh, r_logits) in zip(seen, r_seen):
+                assert (rh - h).abs().max() < 1e-4, where
+                assert (r_logits - logits).abs().max() < 1e-4, where
+                assert torch.equal(r_logits.argmax(-1), logits.argmax(-1)), where
+        # replicated lm_head over identical all-reduce results: the ranks agree exactly
+        for (_, a), (_, b) in zip(per_rank[0][1], per_rank[1][1]):
+            assert torch.equal(a, b)
+
+
+# ---- shards without processes (group None: shapes and loading only) ----
+
+
+def _load(path, parallel: ParallelContext):
+    cfg = ModelConfig.from_pretrained(path)
+    ckpt = Checkpoint(path, Fp8Config.from_quantization_config(cfg.quantization_config))
+    target = DeepseekV3ForCausalLM(cfg, parallel)
+    n = cfg.num_hidden_layers
+    load_weights(target, ckpt, lambda name: None if (layer_index(name) or 0) >= n else name)
+    draft = DeepseekV3MTP(cfg, target, 1)
+    mtp = f"model.layers.{n}."
+
+    def draft_name(name):
+        rest = name[len(mtp) :]
+        if not name.startswith(mtp) or rest.startswith(("embed_tokens.", "shared_head.head.")):
+            return None
+        return f"layers.0.{rest}"
+
+    load_weights(draft, ckpt, draft_name)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory):
+    return make_random_checkpoint(tmp_path_factory.mktemp("tp_fp8"), fp8_block=(32, 32), seed=4)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_each_rank_loads_its_slice_of_the_dequantised_checkpoint(fp8_ckpt, rank, ep_size):
+    whole = [dict(m.state_dict(keep_vars=True)) for m in _load(fp8_ckpt, ParallelContext())]
+    parts = _load(fp8_ckpt, ParallelContext(rank, WORLD, ep_size))
+    n_sharded = 0
+    for full_state, model in zip(whole, parts):
+        for name, t in model.state_dict(keep_vars=True).items():
+            shard = getattr(t, "shard", None)
+            expected = full_state[name] if shard is None else shard.take(full_state[name])
+            n_sharded += shard is not None
+            assert torch.equal(t, expected), name
+    assert n_sharded > 0
+    layer = parts[0].model.layers[1]  # a MoE layer
+    experts = sorted(int(e) for e in layer.mlp.experts)
+    if ep_size == 1:  # every expert, each split on its intermediate dim
+        assert experts == list(range(8))
+        assert layer.mlp.experts["0"].down_proj.weight.shape == (80, 24)
+    else:  # half of the experts, whole
+        assert experts == list(range(4 * rank, 4 * rank + 4))
+        assert layer.mlp.experts[str(4 * rank)].down_proj.weight.shape == (80, 48)
+    attn = layer.self_attn
+    assert attn.num_heads == 2 and attn.q_b_proj.weight.shape == (2 * 32, 40)
+    assert attn.kv_b_proj.weight.shape == (2 * (16 + 24), 48)
+    assert attn.o_proj.weight.shape == (80, 2 * 24)
+
+
+def _config(**overrides) -> ModelConfig:
+    return ModelConfig.from_dict(dict(BASE_CONFIG, **overrides), "<test>")
+
+
+@pytest.mark.parametrize(
+    "overrides, parallel, message",
+    [
+        ({}, dict(tp_size=3), "num_attention_heads=4 is not divisible by tp_size=3"),
+        (
+            dict(num_attention_heads=6),
+            dict(tp_size=3, ep_size=3),
+            "n_routed_experts=8 is not divisible by ep_size=3",
+        ),
+        (dict(intermediate_size=150), dict(tp_size=4), "intermediate_size=150 is not divisible"),
+        (
+            dict(moe_intermediate_size=50),
+            dict(tp_size=4),
+            "moe_intermediate_size=50 is not divisible by tp_size=4",
+        ),
+    ],
+)
+def test_layouts_that_do_not_divide_are_refused(overrides, parallel, message):
+    with torch.device("meta"), pytest.raises(ValueError, match=message):
+        DeepseekV3ForCausalLM(_config(**overrides), ParallelContext(**parallel))
+
+
+def test_expert_parallel_size_must_equal_tensor_parallel_size():
+    with pytest.raises(ValueError, match="ep_size=2: must be 1 or equal to tp_size=4"):
+        ParallelContext(tp_rank=0, tp_size=4, ep_size=2)
+    with pytest.raises(ValueError, match=r"tp_rank=2 is outside \[0, tp_size=2\)"):
+        ParallelContext(tp_rank=2, tp_size=2)
+
+
+def test_single_process_all_reduce_is_a_no_op_and_needs_no_group():
+    x = torch.ones(3)
+    assert ParallelContext().all_reduce(x) is x
+    with pytest.raises(RuntimeError, match="without a process group"):
+        ParallelContext(0, 2).all_reduce(x)

@@ -1,0 +1,97 @@
+"""The master's Coordinator service: workers register here, on --master_node_addr.
+
+A registration is accepted only if the worker's rank is free and in 1..nnodes-1, its
+layout flags equal the master's and its model fingerprint equals the master's; otherwise
+the RPC fails with details naming what differs (the worker prints them and exits 2). The
+master keeps waiting for a good registration until --cluster_timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+
+from xllm_py.distributed import cluster_pb2 as pb
+from xllm_py.distributed import cluster_pb2_grpc as pb_grpc
+from xllm_py.distributed.layout import ClusterLayout, fingerprint_differences, layout_differences
+
+logger = logging.getLogger(__name__)
+
+
+class Coordinator(pb_grpc.CoordinatorServicer):
+    def __init__(self, layout: ClusterLayout, fingerprint: pb.ModelFingerprint) -> None:
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.members: dict[int, pb.RegisterRequest] = {}
+        self.on_register: Callable[[pb.RegisterRequest], None] = lambda request: None
+        self._cond = threading.Condition()
+
+    def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:  # noqa: N802
+        code, why = self._refusal(request)
+        if why:
+            why = f"node {request.node_rank} ({request.address}) refused: {why}"
+            logger.warning("%s", why)
+            context.abort(code, why)
+        with self._cond:
+            self.members[request.node_rank] = request
+            self.on_register(request)
+            self._cond.notify_all()
+        logger.info(
+            "node %d registered: %s at %s, %d KV blocks",
+            request.node_rank,
+            request.device,
+            request.address,
+            request.capacity,
+        )
+        return pb.RegisterReply(world_size=self.layout.nnodes)
+
+    def _refusal(self, r: pb.RegisterRequest) -> tuple[grpc.StatusCode, str]:
+        n = self.layout.nnodes
+        if not 1 <= r.node_rank < n:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"node_rank must be in 1..{n - 1}"
+        with self._cond:
+            if r.node_rank in self.members:
+                other = self.members[r.node_rank].address
+                return grpc.StatusCode.ALREADY_EXISTS, f"rank taken by the node at {other}"
+        diffs = layout_differences(self.layout, r.layout)
+        diffs += fingerprint_differences(self.fingerprint, r.fingerprint)
+        if diffs:
+            return grpc.StatusCode.FAILED_PRECONDITION, "; ".join(diffs)
+        if r.capacity < 1:
+            return grpc.StatusCode.FAILED_PRECONDITION, "it can hold no KV cache block"
+        return grpc.StatusCode.OK, ""
+
+    def wait_all(self, timeout: float) -> dict[int, pb.RegisterRequest]:
+        """Registrations of ranks 1..nnodes-1, or TimeoutError naming the missing ranks."""
+        deadline = time.monotonic() + timeout
+        want = set(range(1, self.layout.nnodes))
+        with self._cond:
+            while not want <= self.members.keys():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = ", ".join(str(r) for r in sorted(want - self.members.keys()))
+                    raise TimeoutError(
+                        f"no worker registered for node rank(s) {missing} within "
+                        f"--cluster_timeout={timeout:g} s"
+                    )
+                self._cond.wait(left)
+            return dict(self.members)
+
+
+def serve_coordinator(address: str, coordinator: Coordinator) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if not port:
+        raise ValueError(f"--master_node_addr={address}: cannot listen there (in use?)")
+    server.start()
+    logger.info("coordination service listening on %s", address)
+    return server

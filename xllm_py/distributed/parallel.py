@@ -1,0 +1,89 @@
+"""Where this process sits inside its model replica, and the one collective the model uses.
+
+A replica of `tp_size` ranks runs one model together (DESIGN.md section 2):
+
+    attention     heads split: rank r holds heads [r*H/tp, (r+1)*H/tp); o_proj partial sums
+                  are all-reduced. The latent KV cache is per token: full on every rank.
+    dense MLP,    intermediate dim split (gate/up rows, down_proj columns), partial sums
+    shared exp.   all-reduced.
+    routed exp.   ep_size == 1: every expert split like the MLP.
+                  ep_size == tp_size: rank r holds experts [r*E/ep, (r+1)*E/ep) whole and
+                  runs them on the tokens routed to them (routing is replicated).
+                  A MoE layer all-reduces routed + shared partial sums once.
+    embedding, lm_head, norms, router, MTP eh_proj: replicated.
+
+The context is passed explicitly to the model constructors; there is no module-level
+process group. Build it in a worker, after `torch.distributed.init_process_group`, with
+`ParallelContext.from_group(group, ep_size)` (the group of this replica's ranks; the
+world group when dp_size == 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """tp_rank / tp_size: this rank inside the replica. ep_size: 1 (experts split on their
+    intermediate dim) or tp_size (experts partitioned). group: the replica's process group;
+    None when tp_size == 1, or for a model built only to see its shard shapes (then
+    `all_reduce` refuses to run)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank={self.tp_rank} is outside [0, tp_size={self.tp_size})")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(
+                f"ep_size={self.ep_size}: must be 1 or equal to tp_size={self.tp_size} "
+                "(experts are partitioned across the tensor-parallel ranks)"
+            )
+
+    @classmethod
+    def from_group(cls, group: dist.ProcessGroup | None = None, ep_size: int = 1):
+        """The context of this process in `group` (default: the world group)."""
+        size = dist.get_world_size(group)
+        if size == 1:
+            return cls(ep_size=ep_size)
+        return cls(dist.get_rank(group), size, ep_size, group or dist.group.WORLD)
+
+    @property
+    def ep_rank(self) -> int:
+        return self.tp_rank if self.ep_size > 1 else 0
+
+    def split(self, total: int, name: str, over: str = "tp_size") -> int:
+        """This rank's share of `total` split `over` ("tp_size" or "ep_size") ways; `name` is
+        the config field, for the error."""
+        parts = getattr(self, over)
+        if total % parts:
+            raise ValueError(f"{name}={total} is not divisible by {over}={parts}")
+        return total // parts
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the replica, in place where the backend allows; returns the sum."""
+        if self.tp_size == 1:
+            return x
+        if self.group is None:
+            raise RuntimeError("ParallelContext without a process group cannot all-reduce")
+        # gloo has no bf16/fp16 sum: reduce in float32 and cast back.
+        if x.dtype in (torch.bfloat16, torch.float16) and self._backend == "gloo":
+            y = x.float()
+            dist.all_reduce(y, group=self.group)
+            return y.to(x.dtype)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    @property
+    def _backend(self) -> str:
+        return dist.get_backend(self.group)
+
+
+SINGLE = ParallelContext()  # one process: every layer whole, all_reduce a no-op

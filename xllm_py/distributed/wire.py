@@ -1,0 +1,146 @@
+"""The executor messages on the wire: dataclass <-> protobuf, at the edge only.
+
+    SchedulerOutput   --sched_to_pb-->   ExecuteStepRequest   --sched_from_pb-->   SchedulerOutput
+    ModelRunnerOutput --output_to_pb-->  ExecuteStepReply     --output_from_pb-->  ModelRunnerOutput
+
+Round trips are exact: dict orders are kept as lists (the scheduling order is the batch
+order; a logprobs dict lists the chosen token first), unset optionals stay None, floats
+travel as doubles. Only `finished_req_ids`, a set, loses an order it never had.
+"""
+
+from __future__ import annotations
+
+from xllm_py.distributed import cluster_pb2 as pb
+from xllm_py.executor.messages import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from xllm_py.sampling_params import SamplingParams
+
+_OPTIONAL = ("max_tokens", "seed", "logprobs")  # None <-> unset
+_PLAIN = (
+    "n",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+
+
+def sampling_to_pb(sp: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(stop=sp.stop, stop_token_ids=sp.stop_token_ids)
+    for name in _PLAIN:
+        setattr(msg, name, getattr(sp, name))
+    for name in _OPTIONAL:
+        if getattr(sp, name) is not None:
+            setattr(msg, name, getattr(sp, name))
+    return msg
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    kw = {name: getattr(msg, name) for name in _PLAIN}
+    kw.update({name: getattr(msg, name) if msg.HasField(name) else None for name in _OPTIONAL})
+    return SamplingParams(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), **kw)
+
+
+def sched_to_pb(s: SchedulerOutput) -> pb.ExecuteStepRequest:
+    return pb.ExecuteStepRequest(
+        new_requests=[
+            pb.NewRequest(
+                req_id=r.req_id,
+                token_ids=r.token_ids,
+                num_prompt_tokens=r.num_prompt_tokens,
+                sampling=sampling_to_pb(r.sampling),
+                block_ids=r.block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in s.new_requests
+        ],
+        cached_requests=[
+            pb.CachedRequest(
+                req_id=r.req_id,
+                new_token_ids=r.new_token_ids,
+                new_block_ids=r.new_block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in s.cached_requests
+        ],
+        num_scheduled_tokens=[
+            pb.ScheduledTokens(req_id=k, num_tokens=n) for k, n in s.num_scheduled_tokens.items()
+        ],
+        spec_token_ids=[pb.SpecTokens(req_id=k, token_ids=t) for k, t in s.spec_token_ids.items()],
+        finished_req_ids=sorted(s.finished_req_ids),
+    )
+
+
+def sched_from_pb(msg: pb.ExecuteStepRequest) -> SchedulerOutput:
+    return SchedulerOutput(
+        new_requests=[
+            NewRequestData(
+                r.req_id,
+                list(r.token_ids),
+                r.num_prompt_tokens,
+                sampling_from_pb(r.sampling),
+                list(r.block_ids),
+                r.num_computed_tokens,
+            )
+            for r in msg.new_requests
+        ],
+        cached_requests=[
+            CachedRequestData(
+                r.req_id, list(r.new_token_ids), list(r.new_block_ids), r.num_computed_tokens
+            )
+            for r in msg.cached_requests
+        ],
+        num_scheduled_tokens={e.req_id: e.num_tokens for e in msg.num_scheduled_tokens},
+        spec_token_ids={e.req_id: list(e.token_ids) for e in msg.spec_token_ids},
+        finished_req_ids=set(msg.finished_req_ids),
+    )
+
+
+def _logprobs_to_pb(lps: list[TokenLogprobs]) -> list[pb.TokenLogprobs]:
+    return [
+        pb.TokenLogprobs(entries=[pb.Logprob(token_id=t, logprob=v) for t, v in d.items()])
+        for d in lps
+    ]
+
+
+def output_to_pb(out: ModelRunnerOutput) -> pb.ExecuteStepReply:
+    drafts = out.draft_token_ids or [[] for _ in out.req_ids]
+    return pb.ExecuteStepReply(
+        results=[
+            pb.RequestResult(
+                req_id=req_id,
+                sampled_token_ids=sampled,
+                has_logprobs=lps is not None,
+                logprobs=_logprobs_to_pb(lps or []),
+                draft_token_ids=draft,
+            )
+            for req_id, sampled, lps, draft in zip(
+                out.req_ids, out.sampled_token_ids, out.logprobs, drafts
+            )
+        ],
+        has_drafts=bool(out.draft_token_ids),
+    )
+
+
+def output_from_pb(msg: pb.ExecuteStepReply) -> ModelRunnerOutput:
+    results = msg.results
+    return ModelRunnerOutput(
+        req_ids=[r.req_id for r in results],
+        sampled_token_ids=[list(r.sampled_token_ids) for r in results],
+        logprobs=[
+            [{e.token_id: e.logprob for e in t.entries} for t in r.logprobs]
+            if r.has_logprobs
+            else None
+            for r in results
+        ],
+        draft_token_ids=[list(r.draft_token_ids) for r in results] if msg.has_drafts else [],
+    )

@@ -1,0 +1,139 @@
+"""Data parallelism: one EngineCore per replica behind the EngineCore interface.
+
+    add_request --(fewest unfinished requests)--> replica i: EngineCore(i) -> Executor(i)
+    step() = every busy replica's EngineCore.step(), run at the same time, outputs merged
+
+Each replica runs the full model with its own scheduler and block manager (sized by
+that replica's KV capacity), so a request lives on one replica from start to finish
+and its tokens are the ones a single node would produce. Replica 0 is the master's
+in-process worker; the others are GrpcExecutors. Steps run on a thread per replica:
+in-process torch work and gRPC waits both release the GIL.
+
+A dead remote worker (the health monitor's verdict) counts as work to do: the next
+`step()` raises it, which is how an idle engine fails too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import ChainMap
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from xllm_py.config import EngineConfig
+from xllm_py.engine.engine_core import EngineCore
+from xllm_py.engine.scheduler import EngineCoreOutput, SchedulerStats
+from xllm_py.executor.base import Executor
+from xllm_py.sampling_params import SamplingParams
+from xllm_py.spec.metrics import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaFailedError(RuntimeError):
+    """A replica's worker died or stopped answering."""
+
+
+class DataParallelEngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executors: list[Callable[[], Executor]],
+        failure: Callable[[], str | None] = lambda: None,
+        on_shutdown: Callable[[], None] = lambda: None,
+    ) -> None:
+        """executors: one factory per replica, replica 0 first; replicas load at the same
+        time. failure: the health monitor's verdict (None while all workers live).
+        on_shutdown: called first by `shutdown` (the master stops watching its workers)."""
+        self.config = config
+        self.failure = failure
+        self.on_shutdown = on_shutdown
+        self._pool = ThreadPoolExecutor(len(executors), thread_name_prefix="xllm-replica")
+        built = [self._pool.submit(lambda f=f: EngineCore(config, f())) for f in executors]
+        self.replicas: list[EngineCore] = [b.result() for b in built]
+        self._owner: dict[str, int] = {}  # req_id -> replica
+        self.requests = ChainMap(*(r.scheduler.requests for r in self.replicas))
+
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Accept a request that at least one replica can serve (their caches may differ)."""
+        error = None
+        for core in self.replicas:
+            try:
+                core.validate(prompt_token_ids, sampling)
+                return
+            except ValueError as e:
+                error = e
+        raise error
+
+    def add_request(
+        self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> None:
+        """To the replica with the fewest unfinished requests among those that can serve it."""
+        able = [
+            i for i, core in enumerate(self.replicas) if _accepts(core, prompt_token_ids, sampling)
+        ]
+        i = min(able or range(len(self.replicas)), key=lambda i: len(self.replicas[i].requests))
+        self._owner[req_id] = i
+        self.replicas[i].add_request(req_id, prompt_token_ids, sampling)
+
+    def finish_request(self, req_id: str, reason: str = "abort") -> None:
+        i = self._owner.pop(req_id, None)
+        if i is not None:
+            self.replicas[i].finish_request(req_id, reason)
+
+    def has_unfinished(self) -> bool:
+        return self.failure() is not None or any(r.has_unfinished() for r in self.replicas)
+
+    def step(self) -> list[EngineCoreOutput]:
+        dead = self.failure()
+        if dead is not None:
+            raise ReplicaFailedError(dead)
+        busy = [r for r in self.replicas if r.has_unfinished()]
+        if len(busy) == 1:
+            outs = busy[0].step()
+        else:
+            outs = [o for f in [self._pool.submit(r.step) for r in busy] for o in f.result()]
+        for o in outs:
+            if o.finish_reason is not None:
+                self._owner.pop(o.req_id, None)
+        return outs
+
+    def stats(self) -> SchedulerStats:
+        parts = [r.stats() for r in self.replicas]
+        blocks = [r.blocks.num_blocks for r in self.replicas]
+        return SchedulerStats(
+            num_running=sum(p.num_running for p in parts),
+            num_waiting=sum(p.num_waiting for p in parts),
+            kv_cache_usage=sum(p.kv_cache_usage * b for p, b in zip(parts, blocks)) / sum(blocks),
+            num_preemptions=sum(p.num_preemptions for p in parts),
+            prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
+            prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
+            spec=_merge_spec([p.spec for p in parts if p.spec is not None]),
+        )
+
+    def shutdown(self, reason: str = "shutting down", failure: bool = False) -> None:
+        self.on_shutdown()
+        for core in self.replicas:
+            core.shutdown(reason, failure)
+        self._pool.shutdown(wait=False)
+
+
+def _accepts(core: EngineCore, ids: list[int], sampling: SamplingParams) -> bool:
+    try:
+        core.validate(ids, sampling)
+    except ValueError:
+        return False
+    return True
+
+
+def _merge_spec(parts: list[SpecDecodeStats]) -> SpecDecodeStats:
+    out = SpecDecodeStats()
+    for p in parts:
+        out.drafts += p.drafts
+        out.draft_tokens += p.draft_tokens
+        out.accepted_tokens += p.accepted_tokens
+        width = max(len(out.accepted_per_position), len(p.accepted_per_position))
+        a = out.accepted_per_position + [0] * (width - len(out.accepted_per_position))
+        b = p.accepted_per_position + [0] * (width - len(p.accepted_per_position))
+        out.accepted_per_position = [x + y for x, y in zip(a, b)]
+    return out
