@@ -36,22 +36,11 @@ from xllm_py.executor.messages import (
     NewRequestData,
     SchedulerOutput,
 )
+from xllm_py.sharegpt import held_out_user_turns
 
 MODEL = "tiny-deepseek-v3-mtp"
-PROMPTS = [
-    f"<|bos|><|user|>\n{q}\n<|assistant|>\n"
-    for q in (
-        "How do I reverse a list in Python?",
-        "Write a short poem about the sea.",
-        "What is the capital of France?",
-        "Tell me about the moon.",
-        "Explain recursion to a child.",
-        "Give me three tips for sleeping well.",
-        "What is a prime number?",
-        "Summarise the plot of Hamlet.",
-        "How do airplanes stay in the air?",
-        "Name some colours of the rainbow.",
-    )
+PROMPTS = [  # 32 held-out ShareGPT first turns, in the bundled model's chat format
+    f"<|bos|><|user|>\n{q}\n<|assistant|>\n" for q in held_out_user_turns(32, 20, 600)
 ]
 MAX_TOKENS = 24
 
@@ -328,11 +317,11 @@ def test_worker_killed_mid_stream_fails_every_client():
 
         def on_first():
             counter.append(1)
-            if len(counter) == 4 and not started.done():
+            if len(counter) == 8 and not started.done():
                 started.set_result(None)
 
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            futs = [pool.submit(stream_until_error, c.url, p, on_first) for p in PROMPTS[:4]]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(stream_until_error, c.url, p, on_first) for p in PROMPTS[:8]]
             started.result(60)  # every stream has its first token: both replicas are busy
             killed = time.monotonic()
             c.worker.proc.kill()
