@@ -9,7 +9,8 @@ For each method (baseline = no drafts, then MTP with each k of --k) it starts ou
 daemon, runs perf/bench_serving.py at every concurrency of --concurrency on the
 same ShareGPT prompts with the same lengths and settings, and stops the daemon.
 `--launch` replaces our daemon with any command (vLLM, SGLang, a cluster script):
-it is run with {port} and {k} substituted and must serve /health.
+it is run with {port} and {k} substituted and must serve /health; a launcher that
+returns once its servers run (scripts/launch_cluster.sh) needs `--launch-stop`.
 
 Presets (--scale):
     full  input 2500 / output 1500 tokens, 80 requests per level (the reference table)
@@ -86,18 +87,25 @@ def machine() -> dict:
 
 
 class Daemon:
-    """Our server (or --launch) on a port, up until stop()."""
+    """Our server (or --launch) on a port, up until stop(). With `stop_cmd`, the launch
+    command is a launcher that may exit 0 once it has started the servers in the
+    background (scripts/launch_cluster.sh); `stop_cmd` then stops them."""
 
-    def __init__(self, cmd: list[str], log: Path, port: int) -> None:
+    def __init__(
+        self, cmd: list[str], log: Path, port: int, stop_cmd: list[str] | None = None
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
+        self.stop_cmd = stop_cmd
         self.log = open(log, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {log}")
+            code = self.proc.poll()
+            if code is not None and not (code == 0 and stop_cmd):
+                self.stop()
+                raise RuntimeError(f"server exited with {code}; see {log}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -108,6 +116,8 @@ class Daemon:
         raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s; see {log}")
 
     def stop(self) -> None:
+        if self.stop_cmd:
+            subprocess.run(self.stop_cmd, stdout=self.log, stderr=subprocess.STDOUT, timeout=120)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -266,6 +276,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="command that starts another server instead, with {port} and {k} placeholders",
     )
+    ap.add_argument(
+        "--launch-stop",
+        default=None,
+        help="with --launch: command that stops what it started (for launchers that return, "
+        "e.g. 'scripts/launch_cluster.sh stop')",
+    )
     ap.add_argument("--hf-peer", action="store_true", help="also time HF transformers generate")
     ap.add_argument("--hf-peer-prompts", type=int, default=8, help="prompts for the HF peer figure")
     ap.add_argument(
@@ -279,7 +295,10 @@ def main(argv: list[str] | None = None) -> dict:
     for name, k in methods:
         print(f"== {name}: starting the server", flush=True)
         daemon = Daemon(
-            server_command(args, k, args.port), args.result_dir / f"server_k{k}.log", args.port
+            server_command(args, k, args.port),
+            args.result_dir / f"server_k{k}.log",
+            args.port,
+            shlex.split(args.launch_stop) if args.launch and args.launch_stop else None,
         )
         try:
             warm_up(daemon.url)

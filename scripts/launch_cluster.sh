@@ -102,7 +102,9 @@ start_cluster() {
     local port=$((START_PORT + i)) device
     if [[ "$DEVICE_TYPE" == cpu ]]; then device=cpu; else device="$DEVICE_TYPE:$((START_DEVICE + i))"; fi
     local draft=()
-    [[ -n "$DRAFT_MODEL_PATH" ]] && draft=(--draft_model "$DRAFT_MODEL_PATH" --draft_devices="$device")
+    if [[ -n "$DRAFT_MODEL_PATH" && "$NUM_SPECULATIVE_TOKENS" != 0 ]]; then
+      draft=(--draft_model "$DRAFT_MODEL_PATH" --draft_devices="$device")
+    fi
     # setsid: each node leads its own process group, so `stop` can signal the whole group
     # shellcheck disable=SC2086
     setsid nohup "$PYTHON" -m xllm_py "${common[@]}" "${draft[@]}" --devices="$device" \

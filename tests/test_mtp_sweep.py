@@ -42,3 +42,30 @@ def test_sweep_writes_table_plot_and_json(tmp_path):
     assert "| MTP k=1 | 2 |" in md and "speedup" in md
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "sweep.json").read_text())["machine"]["cores"]
+
+
+def test_sweep_through_a_launcher(tmp_path):
+    """--launch with a launcher that returns once its server runs (the cluster script, one
+    node here) and --launch-stop to stop it: both methods measured, nothing left running."""
+    port = free_port()
+    log_dir = tmp_path / "cluster-log"
+    env = f"env START_PORT={{port}} NUM_SPECULATIVE_TOKENS={{k}} NNODES=1 LOG_DIR={log_dir}"
+    master = f"MASTER_NODE_ADDR=127.0.0.1:{free_port()}"
+    summary = mtp_sweep.main(
+        [
+            "--concurrency", "2",
+            "--num-prompts", "2",
+            "--input-len", "16",
+            "--output-len", "4",
+            "--port", str(port),
+            "--launch", f"{env} {master} EXTRA_ARGS=--dtype=float32 bash scripts/launch_cluster.sh",
+            "--launch-stop", f"env LOG_DIR={log_dir} bash scripts/launch_cluster.sh stop",
+            "--result-dir", str(tmp_path / "out"),
+        ]
+    )  # fmt: skip
+    rows = summary["rows"]
+    assert [r["method"] for r in rows] == ["baseline", "MTP k=1"]
+    assert all(r["failed"] == 0 and r["completed"] == 2 for r in rows)
+    assert rows[1]["spec_decode_acceptance_length"] >= 1.0
+    assert rows[0]["spec_decode_acceptance_length"] is None  # the baseline really ran k=0
+    assert not (log_dir / "cluster.pids").exists()  # stopped by --launch-stop
