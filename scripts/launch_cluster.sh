@@ -13,7 +13,7 @@
 #   MASTER_NODE_ADDR=127.0.0.1:42123  NUM_SPECULATIVE_TOKENS=1  EP_SIZE=1  DP_SIZE=1 (tensor parallel over all nodes)
 #   MAX_MEMORY_UTILIZATION=0.90  MAX_TOKENS_PER_BATCH=10000  MAX_SEQS_PER_BATCH=256
 #   BLOCK_SIZE=128  ENABLE_PREFIX_CACHE=true  ENABLE_CHUNKED_PREFILL=true
-#   LOG_DIR=log (node_$i.log, cluster.pids)  HEALTH_TIMEOUT=300  EXTRA_ARGS=""
+#   LOG_DIR=log (node_$i.log, cluster.pids)  HEALTH_TIMEOUT=300  STOP_TIMEOUT=60  EXTRA_ARGS=""
 #   PYTHON (default: .venv/bin/python of this checkout, else python3)
 # Node i listens on START_PORT + i and uses device START_DEVICE + i.
 set -euo pipefail
@@ -41,26 +41,47 @@ ENABLE_PREFIX_CACHE="${ENABLE_PREFIX_CACHE:-true}"
 ENABLE_CHUNKED_PREFILL="${ENABLE_CHUNKED_PREFILL:-true}"
 LOG_DIR="${LOG_DIR:-log}"
 HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-300}"
+STOP_TIMEOUT="${STOP_TIMEOUT:-60}"  # > the master's --shutdown_timeout (30 s) + its cleanup
 EXTRA_ARGS="${EXTRA_ARGS:-}"
 PID_FILE="$LOG_DIR/cluster.pids"
 
 alive() { kill -0 "$1" 2>/dev/null; }
 
-stop_cluster() {
-  [[ -f "$PID_FILE" ]] || { echo "no cluster recorded in $PID_FILE"; return 0; }
-  local pids
-  pids=$(cat "$PID_FILE")
-  for pid in $pids; do alive "$pid" && kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; done
-  for _ in $(seq 60); do
-    local left=0
-    for pid in $pids; do alive "$pid" && left=1; done
-    [[ $left == 0 ]] && break
+signal_node() {  # signal a node's process group (it leads one, see setsid), else the pid
+  kill "-$1" -- "-$2" 2>/dev/null || kill "-$1" "$2" 2>/dev/null || true
+}
+
+wait_gone() {  # wait_gone SECONDS PID...: 0 once all are gone
+  local deadline=$((SECONDS + $1)) pid left
+  shift
+  while (( SECONDS <= deadline )); do
+    left=0
+    for pid in "$@"; do alive "$pid" && left=1; done
+    [[ $left == 0 ]] && return 0
     sleep 0.5
   done
-  for pid in $pids; do
+  return 1
+}
+
+stop_cluster() {
+  [[ -f "$PID_FILE" ]] || { echo "no cluster recorded in $PID_FILE"; return 0; }
+  local pids master workers
+  pids=$(cat "$PID_FILE")
+  master=$(echo "$pids" | head -n 1)
+  workers=$(echo "$pids" | tail -n +2)
+  # The master first: it drains in-flight requests (--shutdown_timeout) and then tells
+  # its workers to exit; stopping the workers first would fail those requests.
+  alive "$master" && signal_node TERM "$master"
+  wait_gone "$STOP_TIMEOUT" "$master" || {
+    echo "master pid $master still running after ${STOP_TIMEOUT}s; killing it"
+    signal_node KILL "$master"
+  }
+  for pid in $workers; do alive "$pid" && signal_node TERM "$pid"; done
+  # shellcheck disable=SC2086
+  wait_gone 15 $workers || for pid in $workers; do
     if alive "$pid"; then
-      echo "node pid $pid ignored SIGTERM for 30 s; killing it"
-      kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+      echo "worker pid $pid ignored SIGTERM for 15 s; killing it"
+      signal_node KILL "$pid"
     fi
   done
   rm -f "$PID_FILE"
@@ -114,7 +135,7 @@ start_cluster() {
   done
   local url="http://$HOST:$START_PORT"
   local deadline=$((SECONDS + HEALTH_TIMEOUT)) i
-  until curl -sf "$url/health" > /dev/null 2>&1; do
+  until curl -sf --max-time 5 "$url/health" > /dev/null 2>&1; do
     i=0
     for pid in $(cat "$PID_FILE"); do
       if ! alive "$pid"; then

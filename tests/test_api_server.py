@@ -214,6 +214,11 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": P, "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": P, "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": P, "max_tokenz": 5}, 400, "max_tokenz"),
+    # out of the engine's integer ranges: refused here, never a crash in the engine thread
+    ("/v1/completions", {"prompt": P, "top_k": 2**64}, 400, "top_k"),
+    ("/v1/completions", {"prompt": P, "seed": 2**63 - 1, "n": 2}, 400, "seed"),
+    ("/v1/completions", {"prompt": P, "min_tokens": 5 * 10**9}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": P, "n": 3}, 400, "n"),  # > --max_concurrent_requests=2
     ("/v1/completions", {"prompt": P, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ("/v1/completions", {"prompt": P, "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": P, "stream_options": {"include_usage": True}}, 400, "stream"),

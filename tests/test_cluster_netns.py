@@ -65,7 +65,8 @@ def test_master_and_worker_in_separate_namespaces(namespaces, tmp_path):
     )  # fmt: skip
     worker = in_ns(
         b, sys.executable, "-m", "xllm_py", *common, "--node_rank=1",
-        "--host", WORKER_IP, "--port", "8001", log=tmp_path / "worker.log",
+        # bound to every interface: the master must dial the address it registered from
+        "--host", "0.0.0.0", "--port", "8001", log=tmp_path / "worker.log",
     )  # fmt: skip
     probe = (
         "import httpx, sys; "
@@ -98,8 +99,8 @@ def test_master_and_worker_in_separate_namespaces(namespaces, tmp_path):
         status, body = r.stdout.split(" ", 1)
         assert status == "200", r.stdout + r.stderr
         assert json.loads(body)["usage"]["completion_tokens"] == 24
-        # the worker really served: it logged executing steps from the master across the veth
-        assert WORKER_IP in (tmp_path / "master.log").read_text()
+        # the master dialled the worker across the veth, at the address it registered from
+        assert f"using {WORKER_IP}:8001" in (tmp_path / "master.log").read_text()
     finally:
         for p in (master, worker):
             if p.poll() is None:

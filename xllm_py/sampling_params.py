@@ -37,7 +37,7 @@ class SamplingParams:
         checks = [
             (self.n == 1, "n", "only n=1 is supported"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
-            (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (0 <= self.min_tokens < 2**31, "min_tokens", "must be in [0, 2^31)"),
             (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 "min_tokens",
@@ -45,7 +45,12 @@ class SamplingParams:
             ),
             (self.temperature >= 0, "temperature", "must be >= 0"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.top_k >= -1, "top_k", "must be -1 (disabled) or >= 1"),
+            (-1 <= self.top_k < 2**31, "top_k", "must be -1 (disabled) or in [1, 2^31)"),
+            (
+                self.seed is None or -(2**63) <= self.seed < 2**63,
+                "seed",
+                "must fit in 64 bits",
+            ),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0"),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),

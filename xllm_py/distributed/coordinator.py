@@ -32,12 +32,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._cond = threading.Condition()
 
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:  # noqa: N802
-        code, why = self._refusal(request)
-        if why:
-            why = f"node {request.node_rank} ({request.address}) refused: {why}"
-            logger.warning("%s", why)
-            context.abort(code, why)
-        with self._cond:
+        with self._cond:  # (an RLock) check and insert at once: one rank, one node
+            code, why = self._refusal(request)
+            if why:
+                why = f"node {request.node_rank} ({request.address}) refused: {why}"
+                logger.warning("%s", why)
+                context.abort(code, why)
+            request = _reachable(request, context.peer())
             self.members[request.node_rank] = request
             self.on_register(request)
             self._cond.notify_all()
@@ -81,6 +82,23 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     )
                 self._cond.wait(left)
             return dict(self.members)
+
+
+def _reachable(request: pb.RegisterRequest, peer: str) -> pb.RegisterRequest:
+    """A worker bound to every interface (--host 0.0.0.0 or ::) announces an address
+    nobody can dial; use the address its registration came from instead."""
+    host, _, port = request.address.rpartition(":")
+    if host.strip("[]") not in ("0.0.0.0", "::", ""):
+        return request
+    # peer: "ipv4:10.0.0.2:51234" or "ipv6:[fd00::2]:51234"
+    peer_host = peer.split(":", 1)[1].rpartition(":")[0] if ":" in peer else ""
+    if not peer_host:
+        return request
+    fixed = pb.RegisterRequest()
+    fixed.CopyFrom(request)
+    fixed.address = f"{peer_host}:{port}"
+    logger.info("node %d announced %s; using %s", request.node_rank, request.address, fixed.address)
+    return fixed
 
 
 def serve_coordinator(address: str, coordinator: Coordinator) -> grpc.Server:

@@ -89,7 +89,8 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def Health(self, request: pb.HealthRequest, context) -> pb.HealthReply:  # noqa: N802
         self._touch()
-        if self.worker is not None and self.worker.device.type != "cpu":
+        busy = self._step_lock.locked()  # a step in progress proves the device is alive
+        if self.worker is not None and self.worker.device.type != "cpu" and not busy:
             torch.zeros(1, device=self.worker.device).add_(1).item()  # the device answers too
         return pb.HealthReply(ready=self.worker is not None, steps=self.steps)
 

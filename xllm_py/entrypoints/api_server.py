@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 import uuid
 import weakref
@@ -60,16 +61,21 @@ class _Choice:
 
 
 class _Slot:
-    """One request's place under max_concurrent_requests; released exactly once."""
+    """One request's place under max_concurrent_requests; released exactly once (by the
+    handler, or by the garbage collector, which may run on any thread: hence the lock)."""
 
-    def __init__(self, server: OpenAIServer) -> None:
-        self.server, self.held = server, True
-        server.in_flight += 1
+    _lock = threading.Lock()
+
+    def __init__(self, server: OpenAIServer, weight: int) -> None:
+        self.server, self.weight, self.held = server, weight, True
+        with self._lock:
+            server.in_flight += weight
 
     def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.server.in_flight -= 1
+        with self._lock:
+            if self.held:
+                self.held = False
+                self.server.in_flight -= self.weight
 
 
 def _sse(obj: dict) -> str:
@@ -117,16 +123,24 @@ class OpenAIServer:
             )
         return req
 
-    def admit(self) -> None:
+    def admit(self, n: int) -> None:
+        """Room for n more engine requests (choices) under --max_concurrent_requests?"""
         if self.engine.dead is not None:
             raise APIError(503, f"the engine has stopped: {self.engine.dead}", type="server_error")
         if self.engine.draining:
             raise APIError(503, "the server is shutting down", type="server_error")
-        if self.in_flight >= self.opts.max_concurrent_requests:
+        if n > self.opts.max_concurrent_requests:
+            raise APIError(
+                400,
+                f"n: {n} choices (prompts x n) exceed max_concurrent_requests="
+                f"{self.opts.max_concurrent_requests}",
+                param="n",
+            )
+        if self.in_flight + n > self.opts.max_concurrent_requests:
             raise APIError(
                 429,
-                f"too many requests in flight (max_concurrent_requests="
-                f"{self.opts.max_concurrent_requests}); retry later",
+                f"too many requests in flight ({self.in_flight} of max_concurrent_requests="
+                f"{self.opts.max_concurrent_requests}; this one needs {n}); retry later",
                 type="rate_limit_error",
             )
 
@@ -237,7 +251,7 @@ class OpenAIServer:
     async def handle(self, request: Request, chat: bool):
         model = ChatCompletionRequest if chat else CompletionRequest
         req = await self.read_body(request, model)
-        self.admit()
+        self.admit(0)  # draining or dead: refuse before tokenizing anything
         if chat:
             if self.tokenizer is None:
                 raise APIError(400, "messages: this checkpoint has no tokenizer", param="messages")
@@ -253,11 +267,12 @@ class OpenAIServer:
         else:
             prompts, limit, logprobs = req.prompts(), req.max_tokens, req.logprobs
         choices = self.choices(req, prompts, limit, logprobs)
+        self.admit(len(choices))  # each choice (prompt x n) is one engine request
         kind = "chat.completion" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         head = {"id": rid, "created": int(time.time()), "model": self.opts.served_model_name}
         prompt_tokens = sum(len(c.ids) for c in choices if c.index % req.n == 0)
-        slot = _Slot(self)
+        slot = _Slot(self, len(choices))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             gen = self._stream(req, chat, choices, head, kind, prompt_tokens, include_usage, slot)

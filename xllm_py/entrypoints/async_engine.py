@@ -133,12 +133,12 @@ class AsyncEngine:
     ) -> AsyncIterator[Update]:
         """Updates for one request until it finishes. Closing the iterator early (client
         gone, task cancelled) aborts the request and frees its blocks."""
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.dead}")
         stream = _Stream(
             asyncio.get_running_loop(), asyncio.Queue(), RequestRecord(time.monotonic(), len(ids))
         )
-        with self._lock:
+        with self._lock:  # `dead` is set under the same lock, so no request slips past _die
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine has stopped: {self.dead}")
             if req_id in self._streams:
                 raise ValueError(f"request id {req_id!r} is already in flight")
             self._streams[req_id] = stream
@@ -232,8 +232,8 @@ class AsyncEngine:
             s.loop.call_soon_threadsafe(s.queue.put_nowait, upd)
 
     def _die(self, error: BaseException) -> None:
-        self.dead = error
         with self._lock:
+            self.dead = error
             streams, self._streams = dict(self._streams), {}
         for s in streams.values():
             s.loop.call_soon_threadsafe(

@@ -18,6 +18,7 @@ from xllm_py.sampling_params import SamplingParams
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+INT32_MAX = 2**31 - 1
 UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
@@ -88,13 +89,13 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, lt=2**63 - MAX_N)  # choice i samples with seed + i
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
