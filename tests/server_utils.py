@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -19,6 +20,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(url: str, gone: Callable[[], str | None], timeout: float) -> bool:
+    """Poll url/health until it answers 200 (True) or `timeout` passes (False); `gone()`
+    returns why the server cannot come up any more (it exited), which is raised."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        why = gone()
+        if why is not None:
+            raise RuntimeError(why)
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    return False
 
 
 def free_port_range(n: int) -> int:
@@ -50,18 +68,15 @@ class Server:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        if wait_healthy(self.url, self._exited, startup_timeout):
+            return
         self.stop()
         raise RuntimeError(f"server did not come up:\n{self.output()}")
+
+    def _exited(self) -> str | None:
+        if self.proc.poll() is None:
+            return None
+        return f"server exited with {self.proc.returncode}:\n{self.output()}"
 
     def output(self) -> str:
         self.log.flush()

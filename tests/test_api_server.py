@@ -422,7 +422,7 @@ class InProcessServer:
     def __init__(self, *flags: str) -> None:
         import threading
 
-        from tests.server_utils import free_port
+        from tests.server_utils import free_port, wait_healthy
         from xllm_py import cli
 
         self.port, self.result = free_port(), {}
@@ -433,14 +433,8 @@ class InProcessServer:
             target=lambda: self.result.setdefault("rc", cli.run(self.server, engine)), daemon=True
         )
         self.thread.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-        raise RuntimeError("in-process server did not come up")
+        if not wait_healthy(self.url, lambda: None, 120):
+            raise RuntimeError("in-process server did not come up")
 
     def exit_code(self, timeout: float = 60) -> int | None:
         self.thread.join(timeout)

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_utils import ROOT, free_port, free_port_range
+from tests.server_utils import ROOT, free_port, free_port_range, wait_healthy
 from xllm_py import LLM, SamplingParams
 from xllm_py.distributed import cluster_pb2 as pb
 from xllm_py.distributed.layout import ClusterLayout
@@ -191,17 +191,12 @@ class Cluster:
             )
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.master.proc.poll() is not None:
-                raise RuntimeError(f"master exited:\n{self.master.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"cluster did not come up:\n{self.master.output()}")
+        def gone() -> str | None:
+            m = self.master
+            return None if m.proc.poll() is None else f"master exited:\n{m.output()}"
+
+        if not wait_healthy(self.url, gone, timeout):
+            raise RuntimeError(f"cluster did not come up:\n{self.master.output()}")
 
     def kill(self) -> None:
         for node in (self.master, self.worker):

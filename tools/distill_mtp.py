@@ -48,7 +48,7 @@ from tools.train_tiny_model import (  # noqa: E402
     split_conversations,
     tokenize_stream,
 )
-from xllm_py.sharegpt import held_out_user_turns, iter_conversations, turns  # noqa: E402
+from xllm_py.sharegpt import HELD_OUT_EVERY, held_out_user_turns, iter_conversations, turns  # noqa: E402
 
 
 def prompt_text(user_turn: str) -> str:
@@ -73,7 +73,7 @@ def generate(model_dir: Path, prompts: list[str], new_tokens: int, max_prompt: i
 def training_user_turns(n: int, max_chars: int) -> list[str]:
     out = []
     for i, conv in enumerate(iter_conversations()):
-        if i % 50 == 0:  # held out (HELD_OUT_EVERY)
+        if i % HELD_OUT_EVERY == 0:  # held out
             continue
         t = turns(conv)
         if t and t[0][0] == "user" and 0 < len(t[0][1]) < max_chars:

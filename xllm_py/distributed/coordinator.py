@@ -101,15 +101,20 @@ def _reachable(request: pb.RegisterRequest, peer: str) -> pb.RegisterRequest:
     return fixed
 
 
-def serve_coordinator(address: str, coordinator: Coordinator) -> grpc.Server:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+def listen(server: grpc.Server, address: str, flags: str) -> None:
+    """Bind `server` to address or raise ValueError naming the flags that chose it."""
     try:
         port = server.add_insecure_port(address)
     except RuntimeError:
         port = 0
     if not port:
-        raise ValueError(f"--master_node_addr={address}: cannot listen there (in use?)")
+        raise ValueError(f"{flags}: cannot listen on {address} (in use?)")
+
+
+def serve_coordinator(address: str, coordinator: Coordinator) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+    listen(server, address, f"--master_node_addr={address}")
     server.start()
     logger.info("coordination service listening on %s", address)
     return server

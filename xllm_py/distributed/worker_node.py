@@ -27,6 +27,7 @@ import torch
 from xllm_py.config import EngineConfig
 from xllm_py.distributed import cluster_pb2 as pb
 from xllm_py.distributed import cluster_pb2_grpc as pb_grpc
+from xllm_py.distributed.coordinator import listen
 from xllm_py.distributed.layout import (
     ClusterLayout,
     ClusterOptions,
@@ -176,12 +177,7 @@ def run_worker_node(opts: ClusterOptions, config: EngineConfig, host: str, port:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
     pb_grpc.add_WorkerServicer_to_server(service, server)
     address = f"{host}:{port}"
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError:
-        bound = 0
-    if not bound:
-        raise ValueError(f"--host={host} --port={port}: the worker cannot listen there")
+    listen(server, address, f"--host={host} --port={port}")
     server.start()
     capacity = estimate_capacity(config, opts.layout.tp_size)
     logger.info(

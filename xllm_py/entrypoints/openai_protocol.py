@@ -68,6 +68,8 @@ def from_validation_error(e: ValidationError) -> APIError:
     # strip pydantic's union-member tags ("prompt.str", "prompt.list[int]") from the name
     param = loc.split(".")[0] if loc else None
     msg = err["msg"]
+    if err["type"] == "json_invalid":
+        return APIError(400, f"body: not valid JSON ({msg})")
     if param in UNION_FIELDS and len(err["loc"]) > 1:  # say what fits, not one member's error
         return APIError(400, f"{param}: must be {UNION_FIELDS[param]}", param=param)
     if err["type"] == "extra_forbidden":

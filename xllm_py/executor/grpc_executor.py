@@ -95,6 +95,11 @@ class GrpcExecutor(Executor):
         process group's rendezvous): each loads its shard and allocates num_blocks."""
         self._wait_all(self.send_init(num_blocks), "InitModel")
 
+    def send_step(self, sched: SchedulerOutput) -> list:
+        """ExecuteStep to every rank, not waiting: one future per rank."""
+        req = sched_to_pb(sched)
+        return [c.stub.ExecuteStep.future(req, timeout=self.step_timeout) for c in self.clients]
+
     def send_init(self, num_blocks: int) -> list:
         """InitModel to every rank, not waiting: one future per rank."""
         futures = []
@@ -106,9 +111,7 @@ class GrpcExecutor(Executor):
         return futures
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        req = sched_to_pb(sched)
-        futures = [c.stub.ExecuteStep.future(req, timeout=self.step_timeout) for c in self.clients]
-        replies = self._wait_all(futures, f"step {self.steps}")
+        replies = self._wait_all(self.send_step(sched), f"step {self.steps}")
         self.steps += 1
         return output_from_pb(replies[0])
 
@@ -181,11 +184,7 @@ class MasterReplicaExecutor(Executor):
         self.worker.init_cache(num_blocks, self.seed)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        req = sched_to_pb(sched)
-        futures = [
-            c.stub.ExecuteStep.future(req, timeout=self.remote.step_timeout)
-            for c in self.remote.clients
-        ]
+        futures = self.remote.send_step(sched)
         try:
             out = self.worker.execute(sched)
         except BaseException:
