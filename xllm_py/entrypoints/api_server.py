@@ -152,13 +152,15 @@ class OpenAIServer:
         out = []
         for pi, prompt in enumerate(prompts):
             text, ids = self.tokenize(prompt)
-            if len(ids) >= self.max_model_len:
-                raise APIError(
-                    400,
-                    f"prompt: {len(ids)} tokens leave no room to generate within the model's "
-                    f"context of {self.max_model_len} tokens",
-                    param="prompt",
-                )
+            for i in range(req.n):
+                sp = req.sampling(max_tokens, logprobs, i)
+                try:  # the engine's checks, the prompt's length against the context included
+                    self.engine.engine.validate(ids, sp)
+                except ValueError as e:
+                    raise APIError.invalid(e) from e
+                out.append(_Choice(pi * req.n + i, pi, f"{base}-{pi * req.n + i}", text, ids, sp))
+            # The offline API caps max_tokens at the context; an API request asking for more
+            # than fits is an error, as OpenAI's API makes it.
             if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
                 raise APIError(
                     400,
@@ -166,13 +168,6 @@ class OpenAIServer:
                     f"model's context of {self.max_model_len} tokens",
                     param="max_tokens",
                 )
-            for i in range(req.n):
-                sp = req.sampling(max_tokens, logprobs, i)
-                try:
-                    self.engine.engine.validate(ids, sp)
-                except ValueError as e:
-                    raise APIError.invalid(e) from e
-                out.append(_Choice(pi * req.n + i, pi, f"{base}-{pi * req.n + i}", text, ids, sp))
         return out
 
     async def _merged(self, choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, Update]]:

@@ -43,7 +43,6 @@ class Update:
     text: str  # the whole output text so far (stop strings already cut)
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]] | None
-    num_tokens: int  # output tokens so far
     finish_reason: str | None
     stop_reason: int | str | None
 
@@ -61,7 +60,6 @@ class RequestRecord:
     scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
-    num_tokens: int = 0
 
 
 @dataclass
@@ -122,11 +120,6 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-
-    @property
-    def num_in_flight(self) -> int:
-        with self._lock:
-            return len(self._streams)
 
     async def generate(
         self, req_id: str, text: str | None, ids: list[int], sampling: SamplingParams
@@ -201,11 +194,13 @@ class AsyncEngine:
     def _publish(self, outs: list[RequestOutput], step_start: float) -> None:
         now = time.monotonic()
         sched = self.engine.core.requests
+        advanced = {out.request_id for out in outs}  # (a prompt done in one step included)
         with self._lock:
             streams = dict(self._streams)
         for req_id, s in streams.items():
             rec = s.record
-            if rec.scheduled is None and req_id in sched and sched[req_id].num_computed_tokens:
+            computed = req_id in sched and sched[req_id].num_computed_tokens
+            if rec.scheduled is None and (req_id in advanced or computed):
                 rec.scheduled = step_start  # its first tokens were computed in this step
                 self.events.on_scheduled(rec, step_start)
         for out in outs:
@@ -220,11 +215,8 @@ class AsyncEngine:
                 s.sent_logprobs = len(c.logprobs)
             s.sent_tokens = len(c.token_ids)
             if new:
-                if s.record.scheduled is None:  # scheduled and finished its prompt in one step
-                    s.record.scheduled = step_start
-                    self.events.on_scheduled(s.record, step_start)
                 self.events.on_tokens(s.record, len(new), now)
-            upd = Update(c.text, new, logprobs, len(c.token_ids), c.finish_reason, c.stop_reason)
+            upd = Update(c.text, new, logprobs, c.finish_reason, c.stop_reason)
             if upd.finished:
                 self.events.on_finished(s.record, c.finish_reason, now)
                 with self._lock:

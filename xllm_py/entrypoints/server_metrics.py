@@ -147,7 +147,6 @@ class ServerMetrics:
         for _ in range(n_gaps):
             self.itl.labels(self.model).observe(gap)
         rec.last_token = now
-        rec.num_tokens += n
         self.generation_tokens.labels(self.model).inc(n)
 
     def _finished(self, rec: RequestRecord, reason: str, now: float) -> None:
