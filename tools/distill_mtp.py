@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from tools.eval_mtp_agreement import load_mtp  # noqa: E402
 from tools.train_tiny_model import (  # noqa: E402
     mtp_checkpoint_tensors,
+    mtp_states,
     split_conversations,
     tokenize_stream,
 )
@@ -95,11 +96,7 @@ def mtp_logits(model, mtp, batch: torch.Tensor):
         hidden = model.model(input_ids=inp, use_cache=False).last_hidden_state
         target = model.lm_head(hidden[:, 1:]).float()
         emb = model.model.embed_tokens(inp[:, 1:])
-    s = inp.shape[1] - 1
-    pos = torch.arange(s).unsqueeze(0).expand(inp.shape[0], -1)
-    rope = model.model.rotary_emb(hidden, pos)
-    mask = torch.full((s, s), float("-inf")).triu(1)[None, None].to(hidden.dtype)
-    x = mtp(hidden[:, :-1], emb, rope, mask)
+    x = mtp_states(model, mtp, hidden[:, :-1], emb)
     return model.lm_head(x).float(), target
 
 

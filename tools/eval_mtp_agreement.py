@@ -27,7 +27,7 @@ from safetensors import safe_open
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tools.train_tiny_model import MTPLayer  # noqa: E402
+from tools.train_tiny_model import MTPLayer, mtp_states  # noqa: E402
 from xllm_py.sharegpt import held_out_user_turns  # noqa: E402
 from xllm_py.weights.loader import tensor_files  # noqa: E402
 
@@ -101,9 +101,7 @@ def evaluate(model_dir: Path, n_prompts: int, new_tokens: int, show: int) -> dic
         full_pos = torch.arange(0, last + 1)
         hf = hidden[:, full_pos]
         nf = torch.tensor([seq])[:, full_pos + 1]
-        rope = model.model.rotary_emb(hf, full_pos.unsqueeze(0))
-        mask = torch.full((len(full_pos), len(full_pos)), float("-inf")).triu(1)[None, None]
-        x = mtp(hf, model.model.embed_tokens(nf), rope, mask)
+        x = mtp_states(model, mtp, hf, model.model.embed_tokens(nf))
         pred = model.lm_head(x).argmax(-1)[0, first:]
         target = torch.tensor(seq)[pos + 2]
         agree += int((pred == target).sum())

@@ -216,6 +216,16 @@ def build_models(seed: int):
     return cfg, model, mtp
 
 
+def mtp_states(model, mtp, hidden: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+    """The MTP block over positions 0..S-1 of `hidden` [B, S, H] (target states after the
+    final norm) with the embeddings of the tokens one further, causally over its own
+    positions; returns its output after shared_head.norm."""
+    b, s = hidden.shape[:2]
+    rope = model.model.rotary_emb(hidden, torch.arange(s).unsqueeze(0).expand(b, -1))
+    mask = torch.full((s, s), float("-inf")).triu(1)[None, None].to(hidden.dtype)
+    return mtp(hidden, next_embeds, rope, mask)
+
+
 def losses(model, mtp, batch: torch.Tensor):
     """batch [B, S + 2] -> (main CE, MTP CE, MTP top-1 accuracy vs the true token i+2)."""
     inp = batch[:, :-2]
@@ -223,10 +233,7 @@ def losses(model, mtp, batch: torch.Tensor):
     hidden = out.last_hidden_state  # after the final norm
     logits = model.lm_head(hidden)
     main = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:-1].flatten())
-    pos = torch.arange(inp.shape[1]).unsqueeze(0).expand(inp.shape[0], -1)
-    rope = model.model.rotary_emb(hidden, pos)
-    mask = torch.full((inp.shape[1], inp.shape[1]), float("-inf")).triu(1)[None, None]
-    x = mtp(hidden, model.model.embed_tokens(batch[:, 1:-1]), rope, mask.to(hidden.dtype))
+    x = mtp_states(model, mtp, hidden, model.model.embed_tokens(batch[:, 1:-1]))
     mtp_logits = model.lm_head(x).float()
     target2 = batch[:, 2:]
     mtp_loss = F.cross_entropy(mtp_logits.flatten(0, 1), target2.flatten())
