@@ -24,6 +24,11 @@ PROMPTS = [
 KEY = "test-secret"
 MAX_LEN = 512
 MODEL = "tiny-deepseek-v3-mtp"
+# A request that cannot end on its own while a test looks at it: the whole context of
+# generation (ignore_eos): a thousand engine steps or more on any machine.
+LONG_PROMPT = [0, 100, 200, 300]
+CONTEXT = 2048  # the bundled model's max_position_embeddings
+LONG = {"prompt": LONG_PROMPT, "max_tokens": CONTEXT - len(LONG_PROMPT), "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +282,9 @@ def test_too_many_requests(plain_server):
 
     async def run():
         h = {"Authorization": f"Bearer {KEY}"}
-        body = {"prompt": P, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        # whole-context streams: still running when the third request comes, by construction
+        body = {"prompt": LONG_PROMPT, "max_tokens": MAX_LEN - len(LONG_PROMPT)}
+        body |= {"stream": True, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=plain_server.url, headers=h, timeout=60) as ac:
             async with ac.stream("POST", "/v1/completions", json=body) as r1:
                 async with ac.stream("POST", "/v1/completions", json=body) as r2:
@@ -298,6 +305,30 @@ def test_too_many_requests(plain_server):
     assert r.status_code == 200
 
 
+def in_engine(server: Server) -> float:
+    return server.metric("xllm:num_requests_running") + server.metric("xllm:num_requests_waiting")
+
+
+def wait_for(what: str, cond, timeout: float = 60.0) -> None:
+    """Poll cond() until it holds; the deadline only guards against a hang."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        time.sleep(0.05)
+
+
+def sse_events(lines) -> tuple[list[dict], bool]:
+    """The JSON events of an SSE stream and whether it ended with [DONE]."""
+    events, done = [], False
+    for ln in lines:
+        if ln.startswith("data: "):
+            if ln == "data: [DONE]":
+                done = True
+            else:
+                events.append(json.loads(ln[6:]))
+    return events, done
+
+
 def _settled(server: Server, timeout: float = 60.0) -> tuple[float, float]:
     deadline = time.monotonic() + timeout
     while True:
@@ -310,8 +341,8 @@ def _settled(server: Server, timeout: float = 60.0) -> tuple[float, float]:
 
 
 def test_disconnects_free_everything(mtp_server):
-    """50 streaming requests dropped at random points (plus 5 non-streaming ones dropped while
-    waiting): afterwards nothing runs and every KV block is free."""
+    """50 streaming requests dropped at random points, then 5 non-streaming ones dropped
+    while they run: afterwards nothing runs and every KV block is free."""
     rng = random.Random(0)
 
     async def one(ac, i):
@@ -330,45 +361,101 @@ def test_disconnects_free_everything(mtp_server):
                 if n >= stop_after:
                     break
 
-    async def waiting(ac):
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(
-                ac.post(
-                    "/v1/completions", json={"prompt": P, "max_tokens": 300, "ignore_eos": True}
-                ),
-                timeout=0.5,
-            )
-
-    async def run():
+    async def streams():
         limits = httpx.Limits(max_connections=60)
         async with httpx.AsyncClient(base_url=mtp_server.url, timeout=120, limits=limits) as ac:
-            await asyncio.gather(*[one(ac, i) for i in range(50)], *[waiting(ac) for _ in range(5)])
+            await asyncio.gather(*[one(ac, i) for i in range(50)])
 
-    aborted_before = mtp_server.metric("xllm:request_success_total", finished_reason="abort")
-    asyncio.run(run())
+    async def dropped_while_running(n):
+        # whole-context requests: still running when their clients go, by construction
+        async with httpx.AsyncClient(base_url=mtp_server.url, timeout=120) as ac:
+            posts = [asyncio.create_task(ac.post("/v1/completions", json=LONG)) for _ in range(n)]
+            deadline = time.monotonic() + 60  # guards against a hang only
+            while await asyncio.to_thread(in_engine, mtp_server) < n:
+                assert time.monotonic() < deadline and not any(p.done() for p in posts)
+                await asyncio.sleep(0.05)
+            for p in posts:
+                p.cancel()
+            await asyncio.gather(*posts, return_exceptions=True)
+
+    def aborted() -> float:
+        return mtp_server.metric("xllm:request_success_total", finished_reason="abort")
+
+    before = aborted()
+    asyncio.run(streams())
     assert _settled(mtp_server) == (0, 0)
-    aborted = mtp_server.metric("xllm:request_success_total", finished_reason="abort")
-    assert aborted - aborted_before >= 40  # most were cut before their 200 tokens
+    after_streams = aborted()
+    assert after_streams - before >= 40  # most were cut before their 200 tokens
+    asyncio.run(dropped_while_running(5))
+    assert _settled(mtp_server) == (0, 0)
+    assert aborted() - after_streams == 5
     ok = client(mtp_server).completions.create(model=MODEL, prompt=P, max_tokens=3)
     assert ok.usage.completion_tokens == 3
 
 
-def test_sigterm_drains_and_exits_zero():
-    server = Server("--shutdown_timeout=30")
+def test_sigterm_drains_503_until_in_flight_requests_end_then_exits_zero():
+    """After SIGTERM, while requests are in flight: /health is 503 "draining", new requests
+    are refused with 503, a running request still finishes normally; once the last one has
+    ended (here: its client leaves) the daemon exits 0 by itself. Draining lasts by
+    construction: a whole-context request keeps it going until the test drops it, and
+    --shutdown_timeout is far longer than the test."""
+    server = Server("--shutdown_timeout=600")
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=LONG | {"stream": True}) as long_r:
+            long_lines = long_r.iter_lines()
+            next(long_lines)  # it runs
+            short = {"prompt": P, "max_tokens": 40, "stream": True, "ignore_eos": True}
+            with c.stream("POST", "/v1/completions", json=short) as short_r:
+                short_lines = short_r.iter_lines()
+                first = next(short_lines)
+                server.proc.send_signal(signal.SIGTERM)
+                health = httpx.get(server.url + "/health", timeout=10)
+                assert health.status_code == 503 and health.json() == {"status": "draining"}
+                refused = httpx.post(server.url + "/v1/completions", json={"prompt": P}, timeout=10)
+                assert refused.status_code == 503
+                assert "shutting down" in refused.json()["error"]["message"]
+                assert in_engine(server) >= 1  # the 503s were answered while requests ran
+                events, done = sse_events([first, *short_lines])
+            assert done and events[-1]["choices"][0]["finish_reason"] == "length"  # not cut
+            assert server.proc.poll() is None  # the long request still holds the drain
+        # the long request's client left: it is aborted, nothing is in flight
+        assert server.proc.wait(60) == 0
+    assert "Traceback" not in server.output()
+    server.stop()
+
+
+def test_sigterm_aborts_requests_that_outlive_shutdown_timeout():
+    """--shutdown_timeout=1 and two whole-context requests in flight at SIGTERM: after the
+    timeout both end with an error naming it (the stream as an SSE error event, then
+    [DONE]; the plain request as a 503), and the daemon exits 0."""
+    import threading
+
+    server = Server("--shutdown_timeout=1")
+    plain: dict = {}
+    t = threading.Thread(
+        target=lambda: plain.setdefault(
+            "r", httpx.post(server.url + "/v1/completions", json=LONG, timeout=120)
+        )
+    )
     with httpx.stream(
-        "POST",
-        server.url + "/v1/completions",
-        json={"prompt": P, "max_tokens": 60, "stream": True, "ignore_eos": True},
-        timeout=60,
+        "POST", server.url + "/v1/completions", json=LONG | {"stream": True}, timeout=120
     ) as r:
         lines = r.iter_lines()
-        next(lines)
+        first = next(lines)
+        t.start()
+        wait_for("both requests to run", lambda: in_engine(server) == 2)
         server.proc.send_signal(signal.SIGTERM)
-        rest = [ln for ln in lines if ln.startswith("data: ")]
-    assert rest[-1] == "data: [DONE]"
-    chunks = [json.loads(ln[6:]) for ln in rest[:-1]]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # finished, not cut
-    assert server.proc.wait(60) == 0  # exits by itself once drained
+        events, done = sse_events([first, *lines])
+    t.join(120)
+    assert done
+    err = events[-1]["error"]
+    assert err["type"] == "server_error" and "--shutdown_timeout=1" in err["message"], err
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+    r = plain["r"]
+    assert r.status_code == 503, r.text
+    assert "--shutdown_timeout=1" in r.json()["error"]["message"]
+    assert server.proc.wait(60) == 0
+    assert "Traceback" not in server.output()
     server.stop()
 
 

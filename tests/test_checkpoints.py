@@ -158,6 +158,41 @@ def test_engine_loads_exported_draft_same_as_in_checkpoint_draft(fp8_ckpt, expor
     assert not any("embed" in n or "head.head" in n for n in dict(outside.named_parameters()))
 
 
+def test_exported_draft_decodes_like_the_checkpoints_own_mtp(tmp_path):
+    """The operator's path: export the bundled model's MTP layer with the tool's defaults
+    (bfloat16, the checkpoint's own dtype), serve with draft_model=that directory. Greedy
+    float32 decoding with k=2 chained drafts gives the same token ids as the in-checkpoint
+    MTP, and the same drafts: every acceptance counter is equal too."""
+    bundled = ROOT / "xllm_py" / "assets" / "tiny-deepseek-v3-mtp"
+    out = tmp_path / "mtp"
+    r = run_export("--input-dir", str(bundled), "--output-dir", str(out))
+    assert r.returncode == 0, r.stderr
+    prompts = [
+        "<|bos|><|user|>\nHow do I reverse a list in Python?\n<|assistant|>\n",
+        "<|bos|><|user|>\nWrite a short poem about the sea.\n<|assistant|>\n",
+        "<|bos|><|user|>\nWhat is the capital of France?\n<|assistant|>\n",
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+    def decode(draft_model):
+        llm = LLM(
+            dtype="float32",
+            num_speculative_tokens=2,
+            draft_model=draft_model,
+            max_cache_size=64 << 20,  # plenty for 3 requests; allocating more is slow
+        )
+        worker = llm.engine.core.executor.worker
+        assert worker.config.spec.draft_model == draft_model and worker.draft is not None
+        ids = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        return ids, llm.get_metrics()
+
+    own_ids, own = decode(None)
+    ids, exported_stats = decode(str(out))
+    assert ids == own_ids
+    assert exported_stats == own
+    assert own.accepted_per_position[1] > 0  # the second, chained draft was used and kept
+
+
 def test_draft_with_a_head_copy_that_differs_is_refused(fp8_ckpt, exported, tmp_path):
     from xllm_py.worker.worker import load_draft_model
 

@@ -13,8 +13,9 @@ nodes 1..N-1 run a worker whose gRPC service listens on their --host:--port:
     xllm --nnodes=2 --dp_size=2 --node_rank=0 --master_node_addr=10.0.0.1:9900 --port 8000
     xllm --nnodes=2 --dp_size=2 --node_rank=1 --master_node_addr=10.0.0.1:9900 --port 9901
 
-Exit status: 0 after a clean shutdown (SIGTERM/SIGINT: stop accepting, let
-in-flight requests finish for --shutdown_timeout seconds, abort the rest);
+Exit status: 0 after a clean shutdown (SIGTERM/SIGINT: /health and new requests
+answer 503 while in-flight requests get --shutdown_timeout seconds to finish; the rest
+are aborted with an error naming the timeout);
 1 when the engine failed (in-flight requests get an error first); 2 for bad flags.
 """
 
@@ -25,9 +26,11 @@ import logging
 import os
 import sys
 import threading
+import time
 
 DEFAULT_PORT = 8000
 FAILURE_EXIT_DELAY_S = 2.0
+SHUTDOWN_FLUSH_S = 5.0
 logger = logging.getLogger("xllm")
 
 
@@ -339,13 +342,51 @@ def build_server(a: argparse.Namespace):
         metrics,
     )
 
+    api = app.state.server
+
     class Server(uvicorn.Server):
+        """SIGTERM/SIGINT drains: the port stays open, /health and new requests answer 503,
+        in-flight requests run until they end or --shutdown_timeout passes; the rest are
+        then aborted with an error naming the timeout, and uvicorn shuts down. A second
+        signal ends the drain at once, a third is uvicorn's own (SIGINT: force exit)."""
+
+        drain_deadline: float | None = None
+        drain_logged = False
+
         def handle_exit(self, sig, frame) -> None:
-            engine.draining = True  # /health turns 503 while in-flight requests finish
-            super().handle_exit(sig, frame)
+            if self.drain_deadline is None:
+                engine.draining = True  # /health turns 503 while in-flight requests finish
+                self.drain_deadline = time.monotonic() + a.shutdown_timeout
+            elif not self.should_exit:
+                self.drain_deadline = 0.0
+            else:
+                super().handle_exit(sig, frame)
             # uvicorn re-raises the signal after shutting down (exit status -15); a drained
             # shutdown is a clean one here, so the process exits 0 instead.
             getattr(self, "_captured_signals", []).clear()
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.drain_deadline is not None and not self.should_exit:
+                self._drain()
+            return await super().on_tick(counter)
+
+        def _drain(self) -> None:
+            if not self.drain_logged:
+                self.drain_logged = True
+                logger.info(
+                    "shutting down: %d request(s) in flight get up to --shutdown_timeout=%g s",
+                    api.in_flight,
+                    a.shutdown_timeout,
+                )
+            if api.in_flight == 0:
+                self.should_exit = True
+            elif time.monotonic() >= self.drain_deadline:
+                n = engine.abort_all(
+                    f"request aborted: the server is shutting down and it did not finish "
+                    f"within --shutdown_timeout={a.shutdown_timeout:g} s"
+                )
+                logger.warning("--shutdown_timeout passed: aborted %d request(s)", n)
+                self.should_exit = True
 
     server = Server(
         uvicorn.Config(
@@ -353,7 +394,8 @@ def build_server(a: argparse.Namespace):
             host=a.host,
             port=a.port,
             log_level=a.log_level,
-            timeout_graceful_shutdown=a.shutdown_timeout,
+            # after the drain: time for the last responses (and aborts' errors) to go out
+            timeout_graceful_shutdown=SHUTDOWN_FLUSH_S,
             access_log=a.log_level == "debug",
         )
     )

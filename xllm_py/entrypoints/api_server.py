@@ -29,7 +29,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from xllm_py.entrypoints.async_engine import AsyncEngine, EngineDeadError, Update
+from xllm_py.entrypoints.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestAbortedError,
+    Update,
+)
 from xllm_py.entrypoints.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -298,7 +303,7 @@ class OpenAIServer:
                         await task
                     return Response(status_code=499)
             task.result()
-        except EngineDeadError as e:
+        except (EngineDeadError, RequestAbortedError) as e:
             raise APIError(503, str(e), type="server_error") from e
         finally:
             task.cancel()
@@ -399,7 +404,7 @@ class OpenAIServer:
                         },
                     }
                 )
-        except EngineDeadError as e:
+        except (EngineDeadError, RequestAbortedError) as e:
             yield _sse(APIError(503, str(e), type="server_error").body())
         except APIError as e:
             yield _sse(e.body())

@@ -36,6 +36,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped with an error; no request can complete."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The server ended the request before it finished (shutdown); the message says why."""
+
+
 @dataclass(frozen=True)
 class Update:
     """What one engine step produced for one request (immutable: it crosses threads)."""
@@ -101,6 +105,7 @@ class AsyncEngine:
         self.on_failure = on_failure
         self.dead: BaseException | None = None
         self.draining = False
+        self.closed: str | None = None  # set by abort_all: later requests are refused too
         self.stats: SchedulerStats = engine.core.stats()  # refreshed after every step
         self._lock = threading.Lock()
         self._pending: deque[_Pending] = deque()
@@ -132,6 +137,8 @@ class AsyncEngine:
         with self._lock:  # `dead` is set under the same lock, so no request slips past _die
             if self.dead is not None:
                 raise EngineDeadError(f"the engine has stopped: {self.dead}")
+            if self.closed is not None:
+                raise RequestAbortedError(self.closed)
             if req_id in self._streams:
                 raise ValueError(f"request id {req_id!r} is already in flight")
             self._streams[req_id] = stream
@@ -160,6 +167,19 @@ class AsyncEngine:
                 return  # finished, or already aborted
             self._aborts.append((req_id, stream.record))
         self._wake.set()
+
+    def abort_all(self, why: str) -> int:
+        """End every unfinished request: its handler gets RequestAbortedError(why), its
+        blocks are freed at the next step; requests submitted later get the same error.
+        Returns how many were ended."""
+        with self._lock:
+            self.closed = why
+            streams, self._streams = dict(self._streams), {}
+            self._aborts.extend((req_id, s.record) for req_id, s in streams.items())
+        for s in streams.values():
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, RequestAbortedError(why))
+        self._wake.set()
+        return len(streams)
 
     # ---- engine thread ------------------------------------------------------------------------
 
