@@ -8,12 +8,20 @@ is always filled up to the verified length):
     output  MTP block state x_i; logits at the request's last verified
             position predict its first draft token
 
-For k > 1 the same layer (layer `step mod n` with n MTP layers) runs again,
-one position further, on its own block state and its own draft token. The
-state is chained *before* `shared_head.norm` (vLLM's choice; SGLang chains
-after it): CHAIN_AFTER_NORM switches. On the bundled model (8 held-out ShareGPT
-prompts, batch 8, k = 3, 48 tokens) both gave the same mean acceptance length
-(2.09 before vs 2.11 after, within noise), so the default stays vLLM's.
+Draft step s (s = 1..k-1) runs MTP layer `s mod n` (n MTP layers) one position
+further, on the previous step's block state and its own draft token. The state is
+chained *before* `shared_head.norm` (vLLM's choice; SGLang chains after it):
+CHAIN_AFTER_NORM switches. On the bundled model (8 held-out ShareGPT prompts,
+batch 8, k = 3, 48 tokens) both gave the same mean acceptance length (2.09 before
+vs 2.11 after, within noise), so the default stays vLLM's.
+
+Each MTP layer attends over its own latent cache, so every layer a step will use
+(layers 0..min(k, n)-1) runs over the newly verified positions, all on the same
+(h_i, t_{i+1}) inputs; only layer 0's output feeds the first draft. With n = 1 the
+one layer is reused for every step and its cache has no gaps. With n > 1, k <= n
+(the loader refuses more): step s then uses layer s, whose cache holds the verified
+positions plus the one it writes now; chaining past the last layer would attend
+over positions that layer never wrote.
 
 Draft positions live in the request's own blocks: the scheduler reserves k
 look-ahead slots, and entries written for drafts that are later rejected are
@@ -74,13 +82,10 @@ class MTPProposer:
             n = len(it.rows)
             layouts.append(RequestLayout(start, n, it.start + n, it.block_ids))
             start += n
-        x = self._run(
-            next_ids,
-            positions,
-            target_hidden[torch.tensor(rows, device=self.device)],
-            layouts,
-            step=0,
-        )
+        hidden = target_hidden[torch.tensor(rows, device=self.device)]
+        x = self._run(next_ids, positions, hidden, layouts, step=0)
+        for layer in range(1, min(self.k, len(self.draft.layers))):  # fill the later layers' caches
+            self._run(next_ids, positions, hidden, layouts, step=layer)
         want = [i for i, it in enumerate(items) if it.wants_drafts]
         drafts: list[list[int]] = [[] for _ in items]
         if not want:

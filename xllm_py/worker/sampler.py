@@ -103,15 +103,19 @@ def _ban(logits: torch.Tensor, batch: SamplingBatch) -> None:
 
 
 def _processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Temperature, top-k, top-p, then min-p: the probabilities a sampled row draws from."""
+    """Temperature, top-k, top-p, then min-p: the normalised distribution a sampled row
+    draws from. Normalised matters: plain sampling's exponential race does not care about
+    scale, but verification compares p(d) with q(d), and an unnormalised p would accept
+    drafts too rarely (min-p zeroes mass without renormalising)."""
     logits = logits / batch.temperature.unsqueeze(1)
     if batch.top_k is not None or batch.top_p is not None:
         logits = _filter_top_k_top_p(logits, batch.top_k, batch.top_p)
-    probs = torch.softmax(logits, dim=-1)
     if batch.min_p is not None:
-        floor = probs.amax(dim=-1, keepdim=True) * batch.min_p.unsqueeze(1)
-        probs = probs.masked_fill(probs < floor, 0.0)
-    return probs
+        # p < min_p * p_max  <=>  logit < max logit + log(min_p): masked before the softmax,
+        # so the softmax normalises what survives.
+        floor = logits.amax(dim=-1, keepdim=True) + batch.min_p.unsqueeze(1).log()
+        logits = logits.masked_fill(logits < floor, float("-inf"))
+    return torch.softmax(logits, dim=-1)
 
 
 def _filter_top_k_top_p(

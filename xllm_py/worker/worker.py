@@ -80,6 +80,12 @@ def load_draft_model(
     else:
         num_mtp = mcfg.num_nextn_predict_layers
         ckpt = Checkpoint(mcfg.path, Fp8Config.from_quantization_config(mcfg.quantization_config))
+    k = config.spec.num_speculative_tokens
+    if num_mtp > 1 and k > num_mtp:
+        raise ValueError(
+            f"num_speculative_tokens={k}: the draft has {num_mtp} MTP layers, and drafting past "
+            f"the last one is supported only with a single MTP layer; use at most {num_mtp}"
+        )
     with default_dtype(dtype), torch.device(device):
         draft = DeepseekV3MTP(mcfg, target, num_mtp, parallel)
     mapping = draft_name_map(ckpt.names, mcfg.num_hidden_layers, num_mtp, exported=bool(draft_path))

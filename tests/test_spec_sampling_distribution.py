@@ -1,0 +1,107 @@
+"""Speculative sampling keeps the output distribution: on the bundled model with its real
+MTP draft, thousands of sampled continuations of one prompt per arm, and at every
+generated position the token distribution of speculative decoding (k = 1, 2, 3) equals
+plain decoding's (chi-square homogeneity test, tests/chisquare.py). Settings: temperature
+0.7 with top-k and top-p, temperature 1.2 with min-p, temperature 0.3.
+
+The threshold is calibrated by plain against plain (two seeds): it passes, while a
+verifier that judges drafts by an unnormalised min-p distribution, or by the raw softmax
+instead of the processed one, fails here by many orders of magnitude. Position 0 comes
+from the prefill (no draft is involved); positions 1..4 come through verification, with
+accepted runs, rejections and bonus tokens all occurring. One setting also runs on a
+2-process tensor-parallel engine (gloo) against the in-process plain samples.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.chisquare import ALPHA, homogeneity
+from tests.ranks import run_ranks, use_parallel_workers
+from xllm_py import LLM, SamplingParams
+from xllm_py.sharegpt import held_out_user_turns
+
+SAMPLES = 2000  # per arm
+MAX_TOKENS = 5  # k = 3 drafts fit after the prefill's token
+BLOCK = 16
+SETTINGS = {
+    "t0.7-topk12-topp0.85": dict(temperature=0.7, top_k=12, top_p=0.85),
+    "t1.2-minp0.05": dict(temperature=1.2, min_p=0.05),
+    "t0.3": dict(temperature=0.3),
+}
+
+
+def prompt_ids() -> list[int]:
+    """A held-out chat prompt of 16m + 1 tokens: once one request has computed it, every
+    other request finds its m blocks in the prefix cache and prefills a single token."""
+    llm = LLM(dtype="float32", block_size=BLOCK, max_cache_size=1 << 20)
+    tok = llm.get_tokenizer()
+    for text in held_out_user_turns(200, 20, 600):
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+        if len(ids) % BLOCK == 1 and len(ids) > BLOCK:
+            return ids
+    raise AssertionError("no held-out prompt of 16m + 1 tokens")
+
+
+def sample(ids: list[int], setting: str, k: int, seed: int) -> tuple[list[list[int]], object]:
+    """SAMPLES continuations (unseeded requests: the engine's generator, seeded by `seed`)."""
+    llm = LLM(
+        dtype="float32",
+        block_size=BLOCK,
+        max_seqs_per_batch=512,
+        num_speculative_tokens=k,
+        enable_prefix_cache=True,
+        seed=seed,
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **SETTINGS[setting])
+    llm.generate({"prompt_token_ids": ids}, params)  # fills the prefix cache
+    outs = llm.generate([{"prompt_token_ids": ids}] * SAMPLES, params)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+    return tokens, llm.get_metrics()
+
+
+def assert_same_distribution(a: list[list[int]], b: list[list[int]], what: str) -> None:
+    verdicts = [homogeneity([t[i] for t in a], [t[i] for t in b]) for i in range(MAX_TOKENS)]
+    bad = [f"position {i}: {v}" for i, v in enumerate(verdicts) if v.p_value <= ALPHA]
+    assert not bad, f"{what}: " + "; ".join(bad)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return prompt_ids()
+
+
+@pytest.fixture(scope="module")
+def plain(ids):
+    return {s: sample(ids, s, 0, seed=1)[0] for s in SETTINGS}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_plain_against_plain_passes_the_threshold(ids, plain, setting):
+    other, _ = sample(ids, setting, 0, seed=2)
+    assert other != plain[setting]  # two independent samples, not one sample twice
+    assert_same_distribution(plain[setting], other, f"plain vs plain, {setting}")
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_speculative_sampling_keeps_the_distribution(ids, plain, setting, k):
+    spec, m = sample(ids, setting, k, seed=10 + k)
+    # both verification outcomes occur: drafts are accepted and drafts are rejected
+    assert 0 < m.accepted_tokens < m.draft_tokens
+    assert_same_distribution(plain[setting], spec, f"k={k} vs plain, {setting}")
+
+
+def _rank_sample(ids: list[int], setting: str, k: int, seed: int, parallel):
+    use_parallel_workers(parallel)
+    return sample(ids, setting, k, seed)[0]
+
+
+def test_tensor_parallel_speculative_sampling_keeps_the_distribution(ids, plain, tmp_path):
+    setting = "t1.2-minp0.05"
+    ranks = run_ranks(1, functools.partial(_rank_sample, ids, setting, 2, 21), tmp_path)
+    assert ranks[0] == ranks[1]  # one engine: both ranks sampled the same tokens
+    assert_same_distribution(plain[setting], ranks[0], f"TP 2, k=2 vs plain, {setting}")
