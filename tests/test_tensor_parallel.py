@@ -10,17 +10,12 @@ dequantised first), and impossible layouts are refused with errors naming the nu
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
-import socket
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from tests.ranks import WORLD, run_ranks, use_parallel_workers
 from tools.make_random_checkpoint import BASE_CONFIG, make_random_checkpoint
 from xllm_py import LLM, SamplingParams
 from xllm_py.config import ModelConfig
@@ -30,8 +25,6 @@ from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
 from xllm_py.weights.fp8 import Fp8Config
 from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
 
-WORLD = 2
-DEADLINE_S = 120  # a rank that outlives this is killed (normal runs take ~15 s)
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # Long prompts take the expanded attention form, decode steps the absorbed one; one token
 # per step of 4 requests routes 8 or 12 assignments (both MoE execution paths run).
@@ -40,10 +33,8 @@ PROMPTS = [[5, 6, 7], list(range(10, 40)), [200, 3, 17, 90, 41, 8, 8, 9, 100, 12
 
 def generate(path, k: int, parallel: ParallelContext | None = None):
     """Greedy tokens for PROMPTS, and every (hidden, logits) pair the engine sampled from."""
-    import xllm_py.executor.inproc as inproc
-
-    if parallel is not None:  # this rank's Worker holds its shard (as a cluster node's does)
-        inproc.Worker = functools.partial(inproc.Worker, parallel=parallel)
+    if parallel is not None:
+        use_parallel_workers(parallel)
     llm = LLM(
         model=str(path),
         dtype="float32",
@@ -64,62 +55,13 @@ def generate(path, k: int, parallel: ParallelContext | None = None):
     return [o.outputs[0].token_ids for o in outs], seen
 
 
-def _rank_main(rank: int, port: int, ep_size: int, jobs, out_dir: Path) -> None:
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=timedelta(seconds=DEADLINE_S),
-        )
-        parallel = ParallelContext.from_group(ep_size=ep_size)
-        assert (parallel.tp_rank, parallel.tp_size, parallel.ep_size) == (rank, WORLD, ep_size)
-        results = [generate(path, k, parallel) for path, k in jobs]
-        # gloo cannot sum bf16: the context sums in float32 and gives bf16 back
-        x = parallel.all_reduce(torch.full((3,), rank + 1.5, dtype=torch.bfloat16))
-        assert x.dtype == torch.bfloat16 and x.tolist() == [4.0] * 3
-        torch.save(results, out_dir / f"rank{rank}.pt")
-        dist.destroy_process_group()
-    except BaseException:
-        (out_dir / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(ep_size: int, jobs, out_dir: Path):
-    """Both ranks' results; a failing or hanging rank fails the test, and no process
-    outlives it."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, port, ep_size, jobs, out_dir), daemon=True)
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break  # the other rank would wait in a collective: stop it now
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-    errors = [f.read_text() for f in sorted(out_dir.glob("rank*.err"))]
-    assert not errors, "\n".join(errors)
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * WORLD, f"rank exit codes {codes} (killed after {DEADLINE_S} s?)"
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+def _generate_all(jobs, parallel: ParallelContext):
+    """One rank's work: every job on this rank's shard."""
+    results = [generate(path, k, parallel) for path, k in jobs]
+    # gloo cannot sum bf16: the context sums in float32 and gives bf16 back
+    x = parallel.all_reduce(torch.full((3,), parallel.tp_rank + 1.5, dtype=torch.bfloat16))
+    assert x.dtype == torch.bfloat16 and x.tolist() == [4.0] * 3
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +83,7 @@ def single(jobs):
 
 @pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2_ep2"])
 def test_two_ranks_generate_like_one_process(jobs, single, ep_size, tmp_path):
-    ranks = run_ranks(ep_size, jobs, tmp_path)
+    ranks = run_ranks(ep_size, functools.partial(_generate_all, jobs), tmp_path)
     for (path, k), (tokens, seen), *per_rank in zip(jobs, single, *ranks):
         assert all(len(t) == GREEDY.max_tokens for t in tokens) and seen
         for r, (r_tokens, r_seen) in enumerate(per_rank):
