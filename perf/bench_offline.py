@@ -8,7 +8,7 @@ out (for HF: time(generate N) - time(generate 1)). Both sides run in one
 process, side by side, so the ratio is measured under the same conditions.
 
     python perf/bench_offline.py                      # the bundled model
-    python perf/bench_offline.py --random-model       # DESIGN.md's 4-layer probe shape, random
+    python perf/bench_offline.py --random-model       # random, the probe shape (docs/design.md)
     python perf/bench_offline.py --model DIR --batch-sizes 1 32 --new-tokens 128
 
 Writes perf/results/bench_offline.json (override with --output).
@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# The DESIGN.md probe shape: 4 layers, hidden 256, 8 routed experts (~7.6M parameters).
+# The probe shape (docs/design.md section 6): 4 layers, hidden 256, 8 routed experts.
 DEFAULT_CONFIG = dict(
     architectures=["DeepseekV3ForCausalLM"],
     vocab_size=8192,
@@ -247,7 +247,7 @@ def main() -> None:
     ap.add_argument(
         "--random-model",
         action="store_true",
-        help="build and use a random model of the DESIGN.md probe shape instead",
+        help="build and use a random model of the probe shape of docs/design.md instead",
     )
     ap.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[1, 32], help="concurrent sequences"

@@ -99,7 +99,7 @@ def v3(**changes) -> dict:
 
 
 def m(factor: float, x: float) -> float:
-    """DESIGN.md section 3: m(x) = 0.1 * x * ln(factor) + 1."""
+    """docs/design.md section 3: m(x) = 0.1 * x * ln(factor) + 1."""
     return 0.1 * x * math.log(factor) + 1
 
 
@@ -348,7 +348,7 @@ def test_max_model_len_cannot_exceed_the_model_context():
 
 
 def _yarn_inv_freq_reference(theta, dim, factor, orig_max_pos, beta_fast, beta_slow) -> list[float]:
-    """YaRN from its formulas (DESIGN.md section 3, DeepSeek's modeling code), in float64.
+    """YaRN from its formulas (docs/design.md section 3, DeepSeek's modeling code), in float64.
 
     Pair i rotates at theta^(-2i/dim). The dimension at which a frequency makes r full
     turns over the original context is d(r) = dim * ln(L / (2 pi r)) / (2 ln theta).

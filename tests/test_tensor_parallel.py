@@ -1,4 +1,4 @@
-"""Tensor and expert parallelism (DESIGN.md section 2) across real processes: two ranks
+"""Tensor and expert parallelism (docs/design.md section 2) across real processes: two ranks
 joined by torch.distributed (gloo) each load their shard and run the whole engine
 (scheduler, paged latent cache, MTP drafts); their greedy tokens, and the hidden states
 and logits of every sampled step, must match one process's.

@@ -17,7 +17,7 @@ Steps (each resumable; work files live in OUTPUT_DIR/work/):
 
 The main model is HF transformers' DeepseekV3ForCausalLM (a training-time
 tool only; the engine never imports transformers). The MTP module follows
-DESIGN.md section 3: x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]) -> one
+docs/design.md section 3: x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]) -> one
 decoder block -> shared_head.norm -> lm_head, predicting t_{i+2}.
 Everything saved is safetensors or JSON (no pickle), so resuming is safe.
 """

@@ -1,6 +1,6 @@
 """Where this process sits inside its model replica, and the one collective the model uses.
 
-A replica of `tp_size` ranks runs one model together (DESIGN.md section 2):
+A replica of `tp_size` ranks runs one model together (docs/design.md section 2):
 
     attention     heads split: rank r holds heads [r*H/tp, (r+1)*H/tp); o_proj partial sums
                   are all-reduced. The latent KV cache is per token: full on every rank.

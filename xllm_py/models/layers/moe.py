@@ -1,7 +1,7 @@
 """DeepSeek-V3 mixture of experts: `noaux_tc` grouped top-k routing, routed
 experts run grouped by expert, plus always-on shared experts.
 
-Routing, in float32 (DESIGN.md section 3):
+Routing, in float32 (docs/design.md section 3):
     s  = sigmoid(x Wg^T)                  # [T, E] affinity
     s' = s + e_score_correction_bias      # only used to *choose* experts
     group score = sum of the top-2 s' per group; keep `topk_group` groups,
