@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from tests.test_engine import WITH_LOGPROBS, cached_prefix_tokens, chosen_logprobs
 from tools.make_random_checkpoint import make_random_checkpoint
 from xllm_py import LLM, SamplingParams
 
@@ -23,8 +24,8 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    base = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 2, 33)]
-    shared = base[2][:32]
+    base = [list(range(5, 5 + n)) for n in (3, 17, 56, 9, 2, 33)]  # all prefixes of base[2]
+    shared = base[2][:48]  # 3 blocks of 16
     return base + [shared + [7, 8, 9], shared + [300, 301]]
 
 
@@ -38,7 +39,17 @@ def generate(path, prompts, params=GREEDY, **kw):
 
 @pytest.fixture(scope="module")
 def baseline(ckpt, prompts):
-    return generate(ckpt, prompts)[0]
+    return generate(ckpt, prompts, enable_prefix_cache=False)[0]
+
+
+@pytest.fixture(scope="module")
+def follow_up(ckpt, prompts, baseline):
+    """A second turn: base[2], its reply and new tokens. Its tokens and their logprobs
+    without the prefix cache."""
+    prompt = prompts[2] + baseline[2] + [250, 251, 252, 253, 254]
+    llm = LLM(model=str(ckpt), dtype="float32", block_size=16, enable_prefix_cache=False)
+    out = llm.generate({"prompt_token_ids": prompt}, WITH_LOGPROBS)[0].outputs[0]
+    return prompt, out.token_ids, chosen_logprobs(out)
 
 
 class OracleProposer:
@@ -95,19 +106,50 @@ def test_oracle_draft_is_always_accepted(ckpt, prompts, baseline, k):
     [
         dict(max_seqs_per_batch=1),
         dict(enable_chunked_prefill=True, max_tokens_per_batch=16),
+        dict(enable_prefix_cache=False),
         dict(enable_prefix_cache=True),
-        dict(max_cache_size=14 * 3 * 16 * 64 * 4 * 2),  # forces preemption (see below)
+        dict(max_cache_size=14 * 4 * 16 * 64 * 4),  # 14 blocks (3 layers + MTP): preemption
     ],
+    ids=["one-seq-per-step", "chunked-prefill", "prefix-cache-off", "prefix-cache", "preemption"],
 )
-def test_lossless_with_oracle_under_batching_variants(ckpt, prompts, baseline, kw):
+def test_lossless_with_oracle_under_batching_variants(ckpt, prompts, baseline, follow_up, kw):
+    """Two waves in one engine: base[2] alone, then the rest, which (prefix cache on, the
+    default) find base[2]'s blocks in the cache, the follow-up turn its reply's blocks too."""
     k = 3
     llm = LLM(model=str(ckpt), dtype="float32", block_size=16, num_speculative_tokens=k, **kw)
-    with_oracle(llm, prompts, baseline, k)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == baseline
-    assert llm.engine.core.blocks.num_free_blocks == llm.engine.core.blocks.num_blocks
+    with_oracle(llm, prompts + [follow_up[0]], baseline + [follow_up[1]], k)
+
+    def generate(ps, params=GREEDY):
+        return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in ps], params)]
+
+    # (chunked prefill: the first steps prefill part of base[2] and sample no row)
+    assert generate([prompts[2]])[0].token_ids == baseline[2]
+    # The prompts that hit come next: admitted before anything can evict base[2]'s blocks.
+    order = [6, 7, 5, 1, 3]
+    wave = [prompts[4], follow_up[0]] + [prompts[i] for i in order]
+    expected = [baseline[4], follow_up[1]] + [baseline[i] for i in order]
+    # all but the last token of each went through the model
+    computed = [prompts[2] + baseline[2][:-1]]
+    expected_hits = sum(cached_prefix_tokens(p, computed) for p in wave)
+    assert expected_hits == (4 + 3 + 3 + 2 + 1) * 16  # (56 + 23) // 16 blocks, then 48, 48, 32, 16
+    before = llm.get_stats()
+    outs = generate(wave, [GREEDY, WITH_LOGPROBS] + [GREEDY] * len(order))
+    after = llm.get_stats()
+    assert [o.token_ids for o in outs] == expected
+    # base[2] + reply is 80 tokens, 5 blocks, but its last token was never computed (the
+    # last pass's drafts stop short of it): a cached 5th block would serve a missing entry.
+    assert chosen_logprobs(outs[1]) == pytest.approx(follow_up[2], abs=1e-4)
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    if kw.get("enable_prefix_cache", True):
+        assert hits >= expected_hits
+    else:
+        assert hits == 0
     if "max_cache_size" in kw:
-        assert llm.get_stats().num_preemptions > 0
+        assert llm.engine.core.blocks.num_blocks == 14
+        assert after.num_preemptions > before.num_preemptions
+    m = llm.get_metrics()
+    assert m.drafts > 0 and m.acceptance_rate == pytest.approx(1.0)
+    assert llm.engine.core.blocks.num_free_blocks == llm.engine.core.blocks.num_blocks
 
 
 @pytest.mark.parametrize("max_tokens", [2, 5, 11])

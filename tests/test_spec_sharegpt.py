@@ -2,13 +2,15 @@
 100 held-out ShareGPT prompts, batch sizes 1, 8 and 64, k = 1, 2, 3: every
 prompt's tokens identical to decoding without drafts. The real MTP draft is used
 (it agrees with the target ~66% of the time), so accepted runs, rejections and
-stops inside runs all occur."""
+stops inside runs all occur. The prefix cache is on in the speculative runs, off in
+the baseline; second turns of conversations hit the first turns' blocks."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.test_bundled_model import held_out_user_turns
+from tests.test_engine import cached_prefix_tokens, chosen_logprobs
 from xllm_py import LLM, SamplingParams
 
 NUM_PROMPTS = 100
@@ -29,8 +31,38 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def baseline(prompts):
-    llm = LLM(dtype="float32", block_size=16, max_seqs_per_batch=64)
+    llm = LLM(dtype="float32", block_size=16, max_seqs_per_batch=64, enable_prefix_cache=False)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
+
+
+NUM_CONVERSATIONS = 8
+WITH_LOGPROBS = SamplingParams(max_tokens=20, temperature=0.0, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def second_turns(prompts, baseline):
+    """Second turns of NUM_CONVERSATIONS conversations, as token ids: the first turn, its
+    reply, EOS, then the user turn of prompt 50 + j. The conversations are the first
+    seven prompts and the first whose prompt and reply fill whole blocks (so the block
+    holding the reply's last token, which is never computed, is full). Returns the
+    conversations, the second turns, and their tokens and logprobs without the prefix cache."""
+    llm = LLM(dtype="float32", block_size=16, max_seqs_per_batch=64, enable_prefix_cache=False)
+    tok = llm.get_tokenizer()
+    (eos,) = llm.engine.config.model.eos_token_ids
+    bos = tok.config["bos_token"]
+    ids = [tok.encode(p) for p in prompts]
+    n = NUM_CONVERSATIONS - 1
+    aligned = next(i for i in range(n, 50) if (len(ids[i]) + len(baseline[i])) % 16 == 0)
+    convs = list(range(n)) + [aligned]
+    turns = []
+    for j, i in enumerate(convs):
+        reply = baseline[i] if baseline[i][-1:] == [eos] else baseline[i] + [eos]
+        nxt = "\n" + prompts[50 + j].removeprefix(bos)
+        turns.append(ids[i] + reply + tok.encode(nxt, add_special_tokens=False))
+    outs = [
+        o.outputs[0] for o in llm.generate([{"prompt_token_ids": t} for t in turns], WITH_LOGPROBS)
+    ]
+    return convs, turns, [o.token_ids for o in outs], [chosen_logprobs(o) for o in outs]
 
 
 @pytest.mark.parametrize("batch", [1, 8, 64])
@@ -49,23 +81,55 @@ def test_speculative_output_identical_on_sharegpt(prompts, baseline, batch, k):
     assert blocks.num_free_blocks == blocks.num_blocks
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [
-        dict(enable_chunked_prefill=True, max_tokens_per_batch=64),
-        dict(enable_prefix_cache=True),
-        dict(max_cache_size=40 * 9 * 16 * 96 * 4),  # 40 blocks of 16 for 9 cache layers
-    ],
-    ids=["chunked-prefill", "prefix-cache", "preemption"],
-)
-def test_speculative_output_identical_under_batching_variants(prompts, baseline, kw):
-    n = 24  # shared chat-template prefix: prefix-cache hits happen
-    llm = LLM(dtype="float32", block_size=16, max_seqs_per_batch=16, num_speculative_tokens=2, **kw)
-    for _ in range(2 if kw.get("enable_prefix_cache") else 1):  # 2nd pass: cached prompts
-        outs = llm.generate(prompts[:n], PARAMS)
-        assert [o.outputs[0].token_ids for o in outs] == baseline[:n]
-    st = llm.get_stats()
-    if "max_cache_size" in kw:
-        assert st.num_preemptions > 0
-    if kw.get("enable_prefix_cache"):
-        assert st.prefix_cache_hits > 0
+def blocks_at_admission(turns: list[list[int]], k: int) -> int:
+    """Blocks of 16 that `turns` take when all are admitted: prompt and k look-ahead slots."""
+    return sum(-(-(len(t) + k) // 16) for t in turns)
+
+
+@pytest.mark.parametrize("variant", ["chunked-prefill", "prefix-cache", "preemption"])
+def test_speculative_output_identical_under_batching_variants(
+    prompts, baseline, second_turns, variant
+):
+    """Two waves in one engine, prefix cache on: first turns of conversations, then their
+    second turns, which find the first turns' blocks (prompt and reply) in the cache."""
+    k = 2
+    convs, turns, expected, expected_logprobs = second_turns
+    kw = {}
+    if variant == "chunked-prefill":
+        kw = dict(enable_chunked_prefill=True, max_tokens_per_batch=64)
+    elif variant == "preemption":
+        # Exactly the blocks the second turns take at admission: the first wave fits (nothing
+        # evicted), all second turns are admitted with their hits, then growing preempts.
+        num_blocks = blocks_at_admission(turns, k)
+        kw = dict(max_cache_size=num_blocks * 9 * 16 * 96 * 4)  # 9 cache layers, float32
+    llm = LLM(
+        dtype="float32",
+        block_size=16,
+        max_seqs_per_batch=16,
+        num_speculative_tokens=k,
+        enable_prefix_cache=True,
+        **kw,
+    )
+    outs = llm.generate([prompts[i] for i in convs], PARAMS)
+    assert [o.outputs[0].token_ids for o in outs] == [baseline[i] for i in convs]
+    tok = llm.get_tokenizer()
+    # all but the last token of each went through the model
+    computed = [tok.encode(prompts[i]) + baseline[i][:-1] for i in convs]
+    expected_hits = sum(cached_prefix_tokens(t, computed) for t in turns)
+    assert expected_hits >= 3 * 16 * len(convs)  # several blocks per conversation
+    before = llm.get_stats()
+    outs = [
+        o.outputs[0] for o in llm.generate([{"prompt_token_ids": t} for t in turns], WITH_LOGPROBS)
+    ]
+    after = llm.get_stats()
+    assert [o.token_ids for o in outs] == expected
+    for o, lps in zip(outs, expected_logprobs):
+        assert chosen_logprobs(o) == pytest.approx(lps, abs=1e-4)
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= expected_hits
+    if variant == "preemption":
+        assert llm.engine.core.blocks.num_blocks == num_blocks
+        assert after.num_preemptions > before.num_preemptions
+    m = llm.get_metrics()
+    assert m.drafts > 0 and 0.3 < m.acceptance_rate < 1.0  # accepted runs and rejections
+    blocks = llm.engine.core.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks

@@ -108,7 +108,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         else:
             logits = self.model.compute_logits(
-                hidden[torch.tensor(sample_rows, device=self.device)]
+                hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
             )
         out = self._sample(req_ids, sample_reqs, logits, sched.spec_token_ids)
         if self.proposer is not None:
@@ -149,7 +149,7 @@ class ModelRunner:
                 out_tokens[i] = em
                 emitted_rows += range(first, first + len(em))
                 token_list += em
-            idx = torch.tensor(emitted_rows, device=logits.device)
+            idx = torch.tensor(emitted_rows, dtype=torch.long, device=logits.device)
             chosen, top = logprob_details(
                 None if raw is None else raw[idx],
                 torch.tensor(token_list, device=logits.device),
