@@ -10,6 +10,7 @@ process, side by side, so the ratio is measured under the same conditions.
     python perf/bench_offline.py                      # the bundled model
     python perf/bench_offline.py --random-model       # random, the probe shape (docs/design.md)
     python perf/bench_offline.py --model DIR --batch-sizes 1 32 --new-tokens 128
+    python perf/bench_offline.py --graph --graph-k 0 1 --batch-sizes 1 4 8   # graph mode
 
 Writes perf/results/bench_offline.json (override with --output).
 
@@ -101,14 +102,37 @@ def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return torch.randint(2, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def bench_ours(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtype: str) -> dict:
-    from xllm_py import LLM, SamplingParams
+def build_ours(model_dir: Path, batch: int, dtype: str, graph: bool = False, k: int = 0):
+    """The engine; with `graph`, one graph bucket of exactly `batch` (compiled here)."""
+    from xllm_py import LLM
 
-    llm = LLM(model=str(model_dir), dtype=dtype, block_size=128, max_seqs_per_batch=max(batch, 1))
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        block_size=128,
+        max_seqs_per_batch=max(batch, 1),
+        enable_graph=graph,
+        graph_batch_sizes=[batch],
+        num_speculative_tokens=k,
+    )
+    llm.start_s = time.perf_counter() - t0
+    return llm
+
+
+def bench_ours(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtype: str) -> dict:
+    return run_ours(build_ours(model_dir, batch, dtype), batch, prompt_len, new_tokens)
+
+
+def run_ours(llm, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    from xllm_py import SamplingParams
+
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     vocab = llm.engine.config.model.vocab_size
     llm.generate(
-        [{"prompt_token_ids": p} for p in prompts_for(batch, prompt_len, vocab)], params
+        [{"prompt_token_ids": p} for p in prompts_for(batch, prompt_len, vocab)],
+        params,
+        use_tqdm=False,
     )  # warm-up
     engine = llm.engine
     for i, p in enumerate(prompts_for(batch, prompt_len, vocab)):
@@ -129,6 +153,55 @@ def bench_ours(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dt
         "decode_tok_s": decoded / (t2 - t1),
         "decode_steps": steps,
     }
+
+
+def run_graph_comparison(args, model_dir: Path) -> list[dict]:
+    """Per batch size: graph mode off and on, for each k of --graph-k (k > 0: MTP drafts,
+    which need held-out text, so the prompts here are random ids and acceptance is what
+    it is on them), runs interleaved --repeats times, medians reported; HF once."""
+    import statistics
+
+    rows = []
+    for b in args.batch_sizes:
+        llms = {
+            (g, k): build_ours(model_dir, b, args.dtype, graph=g, k=k)
+            for k in args.graph_k
+            for g in (False, True)
+        }
+        runs: dict[tuple[bool, int], list[float]] = {key: [] for key in llms}
+        for _ in range(args.repeats):
+            for key, llm in llms.items():
+                runs[key].append(run_ours(llm, b, args.prompt_len, args.new_tokens)["decode_tok_s"])
+        hf = bench_hf(model_dir, b, args.prompt_len, args.new_tokens, args.dtype)["decode_tok_s"]
+        row = {"batch": b, "hf_decode_tok_s": hf, "configs": []}
+        for (g, k), tok_s in runs.items():
+            med = statistics.median(tok_s)
+            row["configs"].append(
+                {
+                    "graph": g,
+                    "k": k,
+                    "decode_tok_s": med,
+                    "runs_tok_s": tok_s,
+                    "start_s": llms[(g, k)].start_s,
+                    "vs_hf": med / hf,
+                }
+            )
+        eager = {c["k"]: c["decode_tok_s"] for c in row["configs"] if not c["graph"]}
+        plain_graph = next(
+            (c["decode_tok_s"] for c in row["configs"] if c["graph"] and c["k"] == 0), None
+        )
+        for c in row["configs"]:
+            c["vs_eager_same_k"] = c["decode_tok_s"] / eager[c["k"]]
+            if plain_graph and c["graph"]:
+                c["vs_graph_k0"] = c["decode_tok_s"] / plain_graph
+            print(
+                f"batch {b:>3} k={c['k']} graph={'on ' if c['graph'] else 'off'}: "
+                f"{c['decode_tok_s']:8.1f} tok/s  vs eager {c['vs_eager_same_k']:4.2f}x  "
+                f"vs HF {c['vs_hf']:4.2f}x  start {c['start_s']:5.1f} s",
+                flush=True,
+            )
+        rows.append(row)
+    return rows
 
 
 def bench_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtype: str) -> dict:
@@ -265,6 +338,21 @@ def main() -> None:
         metavar="K",
         help="measure MTP speculation with these k values (include 0 for the baseline)",
     )
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="compare graph mode off and on (and HF), medians of --repeats interleaved runs; "
+        "writes perf/results/bench_graph.json by default",
+    )
+    ap.add_argument(
+        "--graph-k",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="K",
+        help="with --graph: MTP draft tokens per step to measure (0 = plain decoding)",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="with --graph: runs per config")
     ap.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -280,19 +368,15 @@ def main() -> None:
     if args.spec:
         run_spec_sweep(args, model_dir)
         return
-    rows = []
-    for b in args.batch_sizes:
-        ours = bench_ours(model_dir, b, args.prompt_len, args.new_tokens, args.dtype)
-        hf = bench_hf(model_dir, b, args.prompt_len, args.new_tokens, args.dtype)
-        ratio = ours["decode_tok_s"] / hf["decode_tok_s"]
-        rows.append({"batch": b, "xllm_py": ours, "hf_transformers": hf, "speedup": ratio})
-        print(
-            f"batch {b:>3}: xllm-py {ours['decode_tok_s']:8.1f} tok/s   "
-            f"HF generate {hf['decode_tok_s']:8.1f} tok/s   ratio {ratio:5.2f}x",
-            flush=True,
-        )
+    if args.graph:
+        rows = run_graph_comparison(args, model_dir)
+        if args.output == DEFAULT_OUTPUT:
+            args.output = ROOT / "perf/results/bench_graph.json"
+    else:
+        rows = bench_plain(args, model_dir)
     result = {
-        "benchmark": "offline decode throughput, greedy, EOS ignored",
+        "benchmark": "offline decode throughput, greedy, EOS ignored"
+        + (", graph mode off vs on" if args.graph else ""),
         "command": " ".join(["python"] + sys.argv),
         "model": "random, DEFAULT_CONFIG" if args.random_model else str(model_dir),
         "config": DEFAULT_CONFIG if args.random_model else None,
@@ -310,6 +394,21 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.output}")
+
+
+def bench_plain(args, model_dir: Path) -> list[dict]:
+    rows = []
+    for b in args.batch_sizes:
+        ours = bench_ours(model_dir, b, args.prompt_len, args.new_tokens, args.dtype)
+        hf = bench_hf(model_dir, b, args.prompt_len, args.new_tokens, args.dtype)
+        ratio = ours["decode_tok_s"] / hf["decode_tok_s"]
+        rows.append({"batch": b, "xllm_py": ours, "hf_transformers": hf, "speedup": ratio})
+        print(
+            f"batch {b:>3}: xllm-py {ours['decode_tok_s']:8.1f} tok/s   "
+            f"HF generate {hf['decode_tok_s']:8.1f} tok/s   ratio {ratio:5.2f}x",
+            flush=True,
+        )
+    return rows
 
 
 if __name__ == "__main__":

@@ -112,7 +112,9 @@ def test_chunked_prefill_gives_same_tokens(tiny_model_dir, prompts, baseline):
 
 def test_chunked_prefill_of_a_lone_long_prompt(tiny_model_dir, prompts, baseline):
     """The 72-token prompt alone, 16 tokens a step: the first steps sample no row at all."""
-    tokens, _ = run(tiny_model_dir, [prompts[4]], enable_chunked_prefill=True, max_tokens_per_batch=16)
+    tokens, _ = run(
+        tiny_model_dir, [prompts[4]], enable_chunked_prefill=True, max_tokens_per_batch=16
+    )
     assert tokens == [baseline[4]]
 
 

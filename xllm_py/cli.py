@@ -151,6 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
     boolean("enable_prefix_cache", True, "reuse KV blocks of shared prompt prefixes")
     boolean("enable_chunked_prefill", True, "split long prompts across steps")
     flag("seed", type=int, default=0, help="seed of the sampler's default generator")
+    boolean(
+        "enable_graph",
+        False,
+        "graph mode: run decode and draft-verification steps as compiled fixed-shape graphs "
+        "(torch.compile/Inductor; tp_size 1 only; compiles every bucket at start-up)",
+    )
+    flag(
+        "graph_batch_sizes",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="with --enable_graph: batch sizes compiled; a step is padded to the smallest "
+        "that holds it, larger steps run eager",
+    )
     flag(
         "cpu_threads",
         type=int,
@@ -286,6 +300,8 @@ def build_config(a: argparse.Namespace):
         max_seqs_per_batch=a.max_seqs_per_batch,
         max_model_len=a.max_model_len,
         seed=a.seed,
+        enable_graph=a.enable_graph,
+        graph_batch_sizes=a.graph_batch_sizes,
         num_speculative_tokens=a.num_speculative_tokens,
         draft_model=a.draft_model,
         speculative_disable_batch_size=a.speculative_disable_batch_size,

@@ -351,11 +351,23 @@ class DeviceConfig:
     device: str = "cpu"
     dtype: str = "auto"
     seed: int = 0
+    # Graph mode (worker/graph_runner.py): uniform decode/verify steps run compiled, padded
+    # to the smallest of these batch sizes that holds them; larger steps run eager.
+    enable_graph: bool = False
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
 
     def __post_init__(self) -> None:
         kind = self.device.split(":")[0]
         if kind not in ("cpu", "cuda", "npu"):
             raise ValueError(f"device={self.device!r} must be cpu, cuda[:N] or npu[:N]")
+        sizes = tuple(self.graph_batch_sizes)
+        if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
+            raise ValueError(
+                f"graph_batch_sizes={list(sizes)} must be one or more positive integers"
+            )
+        object.__setattr__(self, "graph_batch_sizes", tuple(sorted(set(sizes))))
+        if self.enable_graph and kind == "npu":
+            raise ValueError("enable_graph=True is not supported on NPU yet (runs eager only)")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
 

@@ -40,6 +40,8 @@ def engine_config(
     max_seqs_per_batch: int = 256,
     max_model_len: int = 0,
     seed: int = 0,
+    enable_graph: bool = False,
+    graph_batch_sizes: Sequence[int] = (1, 2, 4, 8),
     num_speculative_tokens: int = 0,
     draft_model: str | None = None,
     speculative_disable_batch_size: int = 0,
@@ -61,7 +63,13 @@ def engine_config(
             enable_chunked_prefill=enable_chunked_prefill,
             max_model_len=max_model_len,
         ),
-        device=DeviceConfig(device=device, dtype=dtype, seed=seed),
+        device=DeviceConfig(
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            enable_graph=enable_graph,
+            graph_batch_sizes=tuple(graph_batch_sizes),
+        ),
         spec=SpecConfig(
             num_speculative_tokens=num_speculative_tokens,
             draft_model=draft_model,

@@ -22,6 +22,7 @@ from xllm_py.models.context import forward_context
 from xllm_py.sampling_params import SamplingParams
 from xllm_py.spec.mtp_proposer import MTPProposer, ProposeInput
 from xllm_py.worker.attention_layout import RequestLayout, build_context
+from xllm_py.worker.graph_runner import GraphRunner
 from xllm_py.worker.rejection_sampler import verify
 from xllm_py.worker.sampler import Sampler, SamplingBatch, logprob_details, token_seed
 
@@ -60,6 +61,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.requests: dict[str, RunnerRequest] = {}
         self.proposer: MTPProposer | None = None  # set by the worker when drafting is on
+        self.graphs: GraphRunner | None = None  # set by the worker in graph mode
 
     def _apply_diffs(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -103,7 +105,13 @@ class ModelRunner:
                 for j in range(len(drafts) + 1):  # samples the token after it
                     sample_rows.append(start + known - 1 + j)
                     sample_reqs.append((i, j))
-        hidden = self._forward(input_ids, positions, layouts)
+        bucket = None
+        if self.graphs is not None and len(sample_rows) == len(input_ids):
+            bucket = self.graphs.bucket_for(layouts)  # uniform decode / verification
+        if bucket is not None:
+            hidden = self.graphs.run(bucket, input_ids, positions, layouts)
+        else:
+            hidden = self._forward(input_ids, positions, layouts)
         if len(sample_rows) == len(input_ids):
             logits = self.model.compute_logits(hidden)
         else:

@@ -24,6 +24,7 @@ from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
 from xllm_py.spec.mtp_proposer import MTPProposer
 from xllm_py.weights.fp8 import Fp8Config
 from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
+from xllm_py.worker.graph_runner import GraphRunner
 from xllm_py.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -156,8 +157,19 @@ class Worker:
             )
         return int(num)
 
+    @property
+    def graph_mode(self) -> bool:
+        """--enable_graph, on a rank that runs the whole model (collectives are not traced)."""
+        return self.config.device.enable_graph and self.parallel.tp_size == 1
+
     def init_cache(self, num_blocks: int, seed: int = 0) -> None:
-        shape = (num_blocks, self.config.cache.block_size, self.config.model.kv_cache_dim)
+        # Graph mode writes its padding rows into one scratch block past the managed ones.
+        scratch = 1 if self.graph_mode else 0
+        shape = (
+            num_blocks + scratch,
+            self.config.cache.block_size,
+            self.config.model.kv_cache_dim,
+        )
         # Zeroed: padded context positions are masked, but 0 * NaN would still poison the output.
         caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -178,6 +190,26 @@ class Worker:
             self.dtype,
             seed,
         )
+        if self.config.device.enable_graph and not self.graph_mode:
+            logger.warning(
+                "graph mode: off on this tensor/expert-parallel rank (tp_size=%d): "
+                "collectives are not traced yet, steps run eager",
+                self.parallel.tp_size,
+            )
+        if self.graph_mode:
+            k = self.config.spec.num_speculative_tokens
+            self.runner.graphs = GraphRunner(
+                self.model,
+                caches,
+                self.config.cache.block_size,
+                self.config.max_blocks_per_seq,
+                scratch_block=num_blocks,
+                batch_sizes=self.config.device.graph_batch_sizes,
+                q_lens=(1, 1 + k) if k else (1,),
+                device=self.device,
+                dtype=self.dtype,
+            )
+            self.runner.graphs.warm_up()
         if self.draft is not None:
             self.runner.proposer = MTPProposer(
                 self.draft,

@@ -33,6 +33,9 @@ from xllm_py.models.layers.mlp import MLP, swiglu
 
 # Up to this many (token, expert) assignments, experts run pair by pair (see _routed_small).
 SMALL_BATCH_ASSIGNMENTS = 8
+# In graph mode, up to this many assignments gather the chosen experts' weights; more run
+# every expert densely (see _routed_gathered, _routed_dense).
+GRAPH_GATHER_ASSIGNMENTS = 16
 
 
 class Router(nn.Module):
@@ -130,6 +133,10 @@ class MoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         weights = weights.to(x.dtype)
+        if torch.compiler.is_compiling():  # graph mode: no host syncs, static shapes
+            if ids.numel() <= GRAPH_GATHER_ASSIGNMENTS:
+                return self._routed_gathered(x, weights, ids)
+            return self._routed_dense(x, weights, ids)
         if ids.numel() <= SMALL_BATCH_ASSIGNMENTS:
             return self._routed_small(x, weights, ids)
         return self._routed_grouped(x, weights, ids)
@@ -171,3 +178,49 @@ class MoE(nn.Module):
                 start += n
         ys = ys * weights.view(-1)[order].unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, token_of, ys)
+
+    def _routed_gathered(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Few tokens, graph mode: each (token, expert) pair multiplies by its expert's
+        weights gathered by id, so only the chosen experts are read; another rank's expert
+        gets weight 0 (and reads local expert 0 instead)."""
+        T, top_k = ids.shape
+        local = ids - self.first_expert
+        owned = (local >= 0) & (local < self.num_local_experts)
+        idx = torch.where(owned, local, 0).view(-1)  # [A = T * top_k]
+        xa = x.unsqueeze(1).expand(T, top_k, x.shape[1]).reshape(T * top_k, -1, 1)
+        gate, up = torch.bmm(self.w13[idx], xa).squeeze(-1).chunk(2, dim=-1)  # [A, I] each
+        act = F.silu(gate) * up * torch.where(owned, weights, 0).view(-1, 1)
+        y = torch.bmm(self.w2[idx], act.unsqueeze(-1)).view(T, top_k, -1)
+        return y.sum(dim=1)
+
+    def prepare_dense(self) -> None:
+        """The experts as two plain matrices for `_routed_dense` (graph mode only; a second
+        copy of the routed weights): gate/up of every local expert stacked `[E * 2I, hidden]`,
+        down projections side by side `[hidden, E * I]`."""
+        E, two_i, hidden = self.w13.shape
+        self.w13_dense = self.w13.reshape(E * two_i, hidden).contiguous()
+        self.w2_dense = self.w2.permute(1, 0, 2).reshape(hidden, E * (two_i // 2)).contiguous()
+
+    def _routed_dense(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Every local expert over every token, weighted by the routing weights (zero where a
+        token did not pick the expert), as two matrix products: shapes depend only on T and
+        nothing reads values back to the host, so the step compiles into one graph
+        (worker/graph_runner.py). Since sum_e w_e * down_e(a_e) = [w_1 a_1 | ... | w_E a_E]
+        times the side-by-side down projections, the weighting happens before the second
+        product. It does E / top_k times the expert FLOPs, which on the small models graph
+        mode serves costs less than the ops it saves; a grouped GEMM is the form for
+        DeepSeek-V3's 256 experts (not written yet)."""
+        n_local = self.num_local_experts
+        T = x.shape[0]
+        local = ids - self.first_expert
+        owned = (local >= 0) & (local < n_local)
+        # [T, n_local + 1]: column n_local collects the other ranks' experts, then is dropped
+        dense = torch.zeros(T, n_local + 1, dtype=x.dtype, device=x.device)
+        dense.scatter_add_(1, torch.where(owned, local, n_local), weights)
+        gate, up = F.linear(x, self.w13_dense).view(T, n_local, 2, -1).unbind(2)
+        act = F.silu(gate) * up * dense[:, :n_local, None]  # [T, E, I]
+        return F.linear(act.reshape(T, -1), self.w2_dense)

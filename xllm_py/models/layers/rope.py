@@ -54,17 +54,29 @@ class RotaryEmbedding(nn.Module):
         scale = rope.cos_sin_scale
         cis = torch.polar(torch.full_like(freqs, scale), freqs)  # scale * (cos + i sin)
         self.register_buffer("cis", cis, persistent=False)  # complex64 [max_positions, dim / 2]
+        # The same table as real pairs (cos, sin) for compiled graphs: Inductor generates no
+        # code for complex ops and would fall back to eager kernels for them.
+        self.register_buffer("cos_sin", torch.view_as_real(cis).clone(), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        """cis for each position: `[T, 1, dim / 2]` complex (1 broadcasts over heads)."""
+        """cis for each position: `[T, 1, dim / 2]` complex (1 broadcasts over heads); under
+        torch.compile `[T, 1, dim / 2, 2]` real (cos, sin)."""
+        if torch.compiler.is_compiling():
+            return self.cos_sin[positions].unsqueeze(1)
         return self.cis[positions].unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs of x `[T, heads, dim]` (any float dtype); same shape and layout.
 
-    The product is taken in float32 (complex64) whatever the run dtype."""
+    The product is taken in float32 (complex64) whatever the run dtype. `cis` may also be the
+    real `[T, 1, dim / 2, 2]` (cos, sin) table (graph mode): the same rotation written out."""
     T, H, D = x.shape
     xf = x if x.dtype == torch.float32 else x.float()
+    if not cis.is_complex():
+        pairs = xf.reshape(T, H, D // 2, 2)
+        x0, x1, cos, sin = pairs[..., 0], pairs[..., 1], cis[..., 0], cis[..., 1]
+        out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).view(T, H, D)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
     out = torch.view_as_real(torch.view_as_complex(xf.reshape(T, H, D // 2, 2)) * cis).view(T, H, D)
     return out if x.dtype == torch.float32 else out.to(x.dtype)

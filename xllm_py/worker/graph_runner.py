@@ -1,0 +1,172 @@
+"""Graph mode: the target's forward pass over uniform steps as one compiled graph per bucket.
+
+A step is uniform when every request in it schedules the same number Q of query tokens
+and every one of them is sampled: plain decode (Q = 1) and draft verification (Q = 1 + k,
+every request with k drafts). Such a step is padded to a bucket of B requests (the
+smallest configured batch size that holds it) and runs through a callable compiled for
+exactly that (B, Q): its inputs are persistent buffers the step is copied into, so shapes
+never change and the graph never reads a value back to the host (the MoE takes its
+static dense form under compilation, `MoE._routed_dense`).
+
+Per bucket the buffers are
+
+    input_ids, positions, slot_mapping  [B * Q]
+    kv_blocks  [B, W]       W = blocks of the step's longest context, the one size that
+                            varies (a dynamic dimension of the graph, not a recompile)
+    mask       [B, Q, 1, W * block_size]  additive, built from the lengths
+
+and one `ForwardContext` that holds them, installed around the call. Padding rows write
+their (ignored) cache entries into a scratch block past the block manager's blocks, and
+attend to that block's first slot only.
+
+Prefill, mixed prefill/decode steps, and the MTP draft passes stay eager. The backend
+is Inductor (`torch.compile`, `fullgraph=True`: a graph break is an error, not a slow
+path); CUDA-graph capture of the same buffers is not written yet. Tensor/expert
+parallel ranks run eager: collectives are not traced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from xllm_py.models.context import AttnGroup, ForwardContext, forward_context
+from xllm_py.models.layers.moe import MoE
+from xllm_py.worker.attention_layout import RequestLayout
+
+logger = logging.getLogger(__name__)
+
+# Measured on the bundled model, batch 1, 2 CPU threads (ms per decode step, eager 5.7):
+# freezing (weights folded in as constants) 4.2; freezing + cpp_wrapper (the graph's
+# kernels called from generated C++ rather than Python) 3.6.
+INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+
+
+@dataclass
+class _Bucket:
+    batch: int
+    q_len: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    ctx: ForwardContext  # its one AttnGroup's kv_blocks and mask are set per step
+
+
+class GraphRunner:
+    """Runs uniform steps (see the module docstring) through compiled, fixed-shape graphs."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_blocks_per_seq: int,
+        scratch_block: int,
+        batch_sizes: tuple[int, ...],
+        q_lens: tuple[int, ...],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.width = max_blocks_per_seq
+        self.scratch_block = scratch_block
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.q_lens = tuple(q_lens)
+        self.device = device
+        self.dtype = dtype
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.prepare_dense()
+        # One compiled entry per bucket (per engine in this process): beyond the limit,
+        # dynamo would refuse to compile (an error under fullgraph=True).
+        torch._dynamo.config.cache_size_limit += len(self.batch_sizes) * len(self.q_lens)
+        self._compiled = torch.compile(
+            model.forward, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS
+        )
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.steps: dict[tuple[int, int], int] = {}  # steps run per bucket (after warm-up)
+
+    def bucket_for(self, layouts: list[RequestLayout]) -> tuple[int, int] | None:
+        """(B, Q) of the bucket this step runs in, or None when it must run eager."""
+        q = layouts[0].q_len
+        if q not in self.q_lens or any(lay.q_len != q for lay in layouts):
+            return None
+        b = next((b for b in self.batch_sizes if b >= len(layouts)), None)
+        return None if b is None else (b, q)
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile every bucket now (a dummy step each, into the scratch block); returns the
+        seconds it took. Inductor's on-disk cache makes a second start faster."""
+        t0 = time.perf_counter()
+        keys = [(b, q) for q in self.q_lens for b in self.batch_sizes]
+        try:
+            from tqdm import tqdm
+
+            keys_iter = tqdm(keys, desc="compiling graphs", unit="graph")
+        except ImportError:  # tqdm comes with transformers; the engine does not need it
+            keys_iter = keys
+        for b, q in keys_iter:
+            lay = RequestLayout(0, q, q, [self.scratch_block])
+            self._run(self._bucket(b, q), [0] * q, list(range(q)), [lay])
+        took = time.perf_counter() - t0
+        logger.info("graph mode: %d graphs compiled in %.1f s", len(keys), took)
+        return took
+
+    def run(
+        self, key: tuple[int, int], input_ids: list[int], positions: list[int], layouts
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step's T = len(layouts) * Q rows."""
+        self.steps[key] = self.steps.get(key, 0) + 1
+        return self._run(self._bucket(*key), input_ids, positions, layouts)
+
+    def _bucket(self, b: int, q: int) -> _Bucket:
+        key = (b, q)
+        if key not in self.buckets:
+            dev, n = self.device, b * q
+            group = AttnGroup(True, None, None, None, None, b, q)  # tables: set per step
+            ctx = ForwardContext(
+                torch.zeros(n, dtype=torch.long, device=dev), [group], self.kv_caches
+            )
+            self.buckets[key] = _Bucket(
+                b,
+                q,
+                torch.zeros(n, dtype=torch.long, device=dev),
+                torch.zeros(n, dtype=torch.long, device=dev),
+                ctx,
+            )
+        return self.buckets[key]
+
+    def _run(self, bk: _Bucket, input_ids, positions, layouts) -> torch.Tensor:
+        n, pad = len(input_ids), bk.batch * bk.q_len - len(input_ids)
+        bs, dev, scratch = self.block_size, self.device, self.scratch_block
+        bk.input_ids.copy_(torch.tensor(input_ids + [0] * pad))
+        bk.positions.copy_(torch.tensor(positions + [0] * pad))
+        slots = [
+            lay.block_ids[p // bs] * bs + p % bs
+            for lay in layouts
+            for p in range(lay.ctx_len - lay.q_len, lay.ctx_len)
+        ]
+        bk.ctx.slot_mapping.copy_(torch.tensor(slots + [scratch * bs] * pad))
+        # The context width W (in blocks) is the graph's one dynamic size: at least 2, so
+        # the compiler cannot specialise it to 1.
+        width = max(2, max(-(-lay.ctx_len // bs) for lay in layouts))
+        pad_rows = bk.batch - len(layouts)
+        table = [(lay.block_ids + [scratch] * width)[:width] for lay in layouts]
+        group = bk.ctx.groups[0]
+        group.kv_blocks = torch.tensor(table + [[scratch] * width] * pad_rows, device=dev)
+        ctx_lens = torch.tensor([lay.ctx_len for lay in layouts] + [bk.q_len] * pad_rows)
+        # query q of request b sees keys 0 .. ctx_len - Q + q (padding rows: the scratch
+        # block's first Q slots)
+        q_pos = (ctx_lens - bk.q_len).view(-1, 1) + torch.arange(bk.q_len)
+        allowed = torch.arange(width * bs).view(1, 1, -1) <= q_pos.unsqueeze(-1)  # [B, Q, L]
+        group.mask = torch.where(allowed, 0.0, float("-inf")).to(dev, self.dtype).unsqueeze(2)
+        torch._dynamo.mark_dynamic(group.kv_blocks, 1)
+        torch._dynamo.mark_dynamic(group.mask, 3)
+        with forward_context(bk.ctx):
+            hidden = self._compiled(bk.input_ids, bk.positions)
+        return hidden[:n]
