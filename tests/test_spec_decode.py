@@ -163,6 +163,31 @@ def test_max_tokens_inside_an_accepted_run(ckpt, prompts, baseline, max_tokens):
         assert o.outputs[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_drafts_stop_at_the_context_end(ckpt, k):
+    """Requests that run into the model's context (512 positions, the end of its RoPE
+    table), with the real MTP drafter: chained drafts that would sit past it are cut,
+    first for some requests of the batch, then for all; tokens equal plain decoding's,
+    each request fills its context exactly."""
+    max_len = 512
+    prompts = [[5 + i % 200 for i in range(n)] for n in (498, 506, 509, 510)]
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    plain, _ = generate(ckpt, prompts, params)
+    spec, llm = generate(ckpt, prompts, params, num_speculative_tokens=k)
+    assert spec == plain
+    assert [len(p) + len(t) for p, t in zip(prompts, spec)] == [max_len] * len(prompts)
+    assert llm.get_metrics().drafts > 0
+
+
+def test_speculative_decoding_runs_in_bfloat16():
+    """The bundled model in bfloat16 with k = 2: the draft's attention masks and caches
+    take the run dtype, and the real MTP draft is mostly accepted, as in float32."""
+    llm = LLM(dtype="bfloat16", block_size=16, num_speculative_tokens=2)
+    outs = llm.generate(["Tell me about the history of Rome."] * 2, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+    assert llm.get_metrics().acceptance_rate > 0.3
+
+
 def test_eos_inside_an_accepted_run(ckpt, prompts, baseline, tmp_path):
     eos = baseline[0][5]  # the 6th greedy token of the first prompt becomes EOS
     work = tmp_path / "eos"

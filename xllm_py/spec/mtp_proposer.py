@@ -10,10 +10,9 @@ is always filled up to the verified length):
 
 Draft step s (s = 1..k-1) runs MTP layer `s mod n` (n MTP layers) one position
 further, on the previous step's block state and its own draft token. The state is
-chained *before* `shared_head.norm` (vLLM's choice; SGLang chains after it):
-CHAIN_AFTER_NORM switches. On the bundled model (8 held-out ShareGPT prompts,
-batch 8, k = 3, 48 tokens) both gave the same mean acceptance length (2.09 before
-vs 2.11 after, within noise), so the default stays vLLM's.
+chained *before* `shared_head.norm` (vLLM's choice; SGLang chains after it). On the
+bundled model (8 held-out ShareGPT prompts, batch 8, k = 3, 48 tokens) both gave the
+same mean acceptance length (2.09 before vs 2.11 after, within noise).
 
 Each MTP layer attends over its own latent cache, so every layer a step will use
 (layers 0..min(k, n)-1) runs over the newly verified positions, all on the same
@@ -37,8 +36,6 @@ import torch
 from xllm_py.models.context import forward_context
 from xllm_py.models.deepseek_mtp import DeepseekV3MTP
 from xllm_py.worker.attention_layout import RequestLayout, build_context
-
-CHAIN_AFTER_NORM = False
 
 
 @dataclass
@@ -109,12 +106,7 @@ class MTPProposer:
                 for j, i in enumerate(want)
             ]
             pos = [lay.ctx_len - 1 for lay in chain]
-            hidden = (
-                self.draft.layers[(step - 1) % len(self.draft.layers)].shared_head.norm(x)
-                if CHAIN_AFTER_NORM
-                else x
-            )
-            x = self._run(tokens.tolist(), pos, hidden, chain, step)
+            x = self._run(tokens.tolist(), pos, x, chain, step)
             tokens = self.draft.compute_logits(x, step).argmax(dim=-1)
             for i, t in zip(want, tokens.tolist()):
                 drafts[i].append(t)
