@@ -103,7 +103,9 @@ def _nucleus(probs: list[float], p: float) -> set[int]:
     [
         (1e-6, {2}),
         (0.4, {2}),
+        (0.5, {2}),  # token 2 alone reaches exactly p: the next one is not needed
         (0.6, {2, 0}),
+        (0.75, {2, 0}),
         (0.8, {2, 0, 4}),
         (0.9, {2, 0, 4, 1}),
         (1.0, {0, 1, 2, 3, 4}),
@@ -191,6 +193,16 @@ def test_min_p_removes_tokens_below_fraction_of_the_top_probability():
     assert freq[0] == 0.0
     for f, p in zip(freq[1:], probs[1:]):
         assert abs(f - p / 0.95) < 0.02, freq
+
+
+def test_min_p_of_one_keeps_only_the_top_token():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 50, generator=g)
+    logits[:, 0] = -10.0  # the top token is never token 0
+    tokens, _, _ = Sampler(torch.Generator().manual_seed(0))(
+        logits.clone(), make_batch(8, min_p=[1.0] * 8)
+    )
+    assert torch.equal(tokens, logits.argmax(dim=-1))
 
 
 def test_filters_never_sample_a_removed_token():
@@ -285,6 +297,22 @@ def test_same_seed_same_token_regardless_of_row_and_batch():
         )
         mixed, _, _ = Sampler(torch.Generator().manual_seed(2))(logits, batch)
         assert mixed[3].item() == alone[0].item()
+
+
+def test_draws_come_from_the_samplers_own_generators():
+    """The engine's generator (unseeded rows) and the per-token seeds (seeded rows) decide
+    every draw, uniforms for verification included; the global torch RNG does not."""
+    probs = torch.full((3, 50), 1 / 50)
+    batch = make_batch(3, seeds=[(1, token_seed(123, 4))])
+    draws = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        draws.append(Sampler(torch.Generator().manual_seed(4)).draws(probs, batch))
+    (u1, n1), (u2, n2) = draws
+    assert torch.equal(u1, u2) and torch.equal(n1, n2)
+    other_engine_seed = Sampler(torch.Generator().manual_seed(5)).draws(probs, batch)
+    assert not torch.equal(other_engine_seed[1][0], n1[0])  # unseeded rows follow the engine
+    assert torch.equal(other_engine_seed[1][1], n1[1])  # seeded rows do not
 
 
 def test_seeded_rows_differ_across_seeds_and_token_index():

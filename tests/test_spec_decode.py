@@ -204,6 +204,31 @@ def test_eos_inside_an_accepted_run(ckpt, prompts, baseline, tmp_path):
     assert plain[0] == baseline[0][: baseline[0].index(eos) + 1]
 
 
+def test_min_tokens_holds_under_speculation(ckpt, prompts, baseline, tmp_path):
+    """EOS (the 6th greedy token of the first prompt) is banned until 10 tokens exist, in
+    verification as in plain decoding: greedy rows give plain decoding's tokens; sampled
+    rows (whose draws differ from plain decoding's, not their distribution) never end
+    before 10 tokens."""
+    eos = baseline[0][5]
+    work = tmp_path / "eos"
+    shutil.copytree(ckpt, work)
+    cfg = json.loads((work / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (work / "config.json").write_text(json.dumps(cfg))
+    greedy = SamplingParams(max_tokens=24, min_tokens=10, temperature=0.0)
+    seeded = SamplingParams(max_tokens=24, min_tokens=10, temperature=0.7, seed=3)
+    params = [greedy if i % 2 == 0 else seeded for i in range(len(prompts))]
+    plain, _ = generate(work, prompts, params)
+    spec, llm = generate(work, prompts, params, num_speculative_tokens=3)
+    assert spec[::2] == plain[::2]
+    assert eos not in plain[0][:10] and len(plain[0]) > 6
+    assert all(len(t) >= 10 and eos not in t[:10] for t in spec)
+    # an all-greedy batch verifies by argmax alone (no probabilities): the ban holds there too
+    all_greedy, _ = generate(work, prompts[::2], greedy, num_speculative_tokens=3)
+    assert all_greedy == plain[::2]
+    assert llm.get_metrics().drafts > 0
+
+
 def test_sampled_requests_with_drafts_are_seeded_and_mixed_batches_stay_lossless(
     ckpt, prompts, baseline
 ):
