@@ -94,7 +94,7 @@ def test_oracle_draft_is_always_accepted(ckpt, prompts, baseline, k):
     m = llm.get_metrics()
     assert before.drafts == 0 and before.accepted_tokens == 0  # a snapshot, not a live view
     assert m.acceptance_rate == pytest.approx(1.0)
-    assert m.accepted_per_position[0] == m.drafts
+    assert len(m.accepted_per_position) == k and m.accepted_per_position[0] == m.drafts
     # every pass carries k drafts except, per request, the last (capped by max_tokens)
     assert k * m.drafts - k * len(prompts) <= m.draft_tokens
     assert m.mean_acceptance_length == pytest.approx(1 + m.draft_tokens / m.drafts)
@@ -186,6 +186,22 @@ def test_speculative_decoding_runs_in_bfloat16():
     outs = llm.generate(["Tell me about the history of Rome."] * 2, GREEDY)
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
     assert llm.get_metrics().acceptance_rate > 0.3
+
+
+def test_acceptance_counters_per_position():
+    """What /metrics reports per draft position: passes with fewer drafts count too, and
+    a longer pass later extends the positions without losing the earlier counts."""
+    from xllm_py.spec.metrics import SpecDecodeStats
+
+    s = SpecDecodeStats()
+    s.record([7], 1)
+    s.record([], 0)  # a pass without drafts is not a draft pass
+    s.record([4, 5, 6], 2)
+    s.record([4, 5, 6], 0)
+    assert (s.drafts, s.draft_tokens, s.accepted_tokens) == (3, 7, 3)
+    assert s.accepted_per_position == [2, 1, 0]
+    assert s.acceptance_rate == pytest.approx(3 / 7)
+    assert s.mean_acceptance_length == pytest.approx(1 + 3 / 3)
 
 
 def test_eos_inside_an_accepted_run(ckpt, prompts, baseline, tmp_path):

@@ -58,10 +58,12 @@ class MLAttention(nn.Module):
             self.q_proj = ColumnParallelLinear(hidden, heads * qk_dim, parallel)
         else:
             self.q_a_proj = Linear(hidden, cfg.q_lora_rank)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            # Like DeepSeek's own code and HF, the two MLA norms keep eps = 1e-6 whatever
+            # config.json says; rms_norm_eps is the decoder norms' (same value in V3).
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
             self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * qk_dim, parallel)
         self.kv_a_proj_with_mqa = Linear(hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
         self.kv_b_proj = ColumnParallelLinear(
             cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), parallel
         )
