@@ -190,11 +190,14 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     started = time.monotonic()
                     outs = self.engine.step()
+                    # Stats first: a /metrics scrape made after a client got its last token
+                    # must count the step that produced it.
+                    self.stats = self.engine.core.stats()
                     self._publish(outs, started)
                 else:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
-                self.stats = self.engine.core.stats()
+                    self.stats = self.engine.core.stats()
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine
             logger.exception("engine step failed; failing every in-flight request")
             self._die(e)
