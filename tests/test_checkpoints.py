@@ -210,6 +210,27 @@ def test_draft_with_a_head_copy_that_differs_is_refused(fp8_ckpt, exported, tmp_
         load_draft_model(w.config, w.model, str(bad), w.device, w.dtype)
 
 
+def test_draft_with_an_unexpected_tensor_is_refused_by_name(fp8_ckpt, exported, tmp_path):
+    from xllm_py.worker.worker import load_draft_model
+
+    bad = tmp_path / "extra"
+    bad.mkdir()
+    for f in exported.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    shard = next(bad.glob("*.safetensors"))
+    t = load_file(str(shard))
+    t["lm_head.weight"] = t["model.shared_head.head.weight"].clone()  # not a draft name
+    save_file(t, str(shard))
+    index = bad / "model.safetensors.index.json"
+    meta = json.loads(index.read_text())
+    meta["weight_map"]["lm_head.weight"] = shard.name
+    index.write_text(json.dumps(meta))
+    llm = LLM(model=str(fp8_ckpt), dtype="float32", block_size=16)
+    w = llm.engine.core.executor.worker
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        load_draft_model(w.config, w.model, str(bad), w.device, w.dtype)
+
+
 def test_export_with_two_mtp_layers(tmp_path):
     src = make_random_checkpoint(tmp_path / "two", num_mtp=2, seed=5)
     out = tmp_path / "two-mtp"
