@@ -210,6 +210,32 @@ def test_draft_with_a_head_copy_that_differs_is_refused(fp8_ckpt, exported, tmp_
         load_draft_model(w.config, w.model, str(bad), w.device, w.dtype)
 
 
+def test_bf16_export_of_a_float32_target_loads_and_a_misshapen_copy_is_refused(
+    fp32_reference, tmp_path
+):
+    """An export at the tool's default bfloat16 of a float32 checkpoint: its embedding and
+    head copies equal the target's only at bf16 precision, which is how they are compared.
+    A copy of the wrong shape is refused with both shapes named."""
+    from xllm_py.worker.worker import load_draft_model
+
+    out = tmp_path / "bf16"
+    r = run_export("--input-dir", str(fp32_reference), "--output-dir", str(out))
+    assert r.returncode == 0, r.stderr
+    llm = LLM(model=str(fp32_reference), dtype="float32", block_size=16)
+    w = llm.engine.core.executor.worker
+    draft = load_draft_model(w.config, w.model, str(out), w.device, w.dtype)
+    assert len(draft.layers) == 1
+    shard = next(out.glob("*.safetensors"))
+    t = load_file(str(shard))
+    head = t["model.shared_head.head.weight"]
+    t["model.shared_head.head.weight"] = head[:-1].clone()
+    save_file(t, str(shard))
+    with pytest.raises(
+        ValueError, match=rf"has shape \({head.shape[0] - 1}, .* has \({head.shape[0]}"
+    ):
+        load_draft_model(w.config, w.model, str(out), w.device, w.dtype)
+
+
 def test_draft_with_an_unexpected_tensor_is_refused_by_name(fp8_ckpt, exported, tmp_path):
     from xllm_py.worker.worker import load_draft_model
 
