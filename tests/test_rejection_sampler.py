@@ -84,6 +84,17 @@ def test_greedy_rows_verify_like_plain_greedy():
     assert out == [[0, 3], [0], [0]]
 
 
+def test_greedy_verification_of_long_draft_runs():
+    """Each draft is checked against the argmax of its own row: runs of 3 drafts that are
+    all right (bonus token from the last row), right then wrong at position 1 or 2."""
+    logits = torch.randn(12, 7, generator=torch.Generator().manual_seed(6))
+    best = logits.argmax(dim=-1).tolist()
+    wrong = [(t + 1) % 7 for t in best]
+    drafts = [best[0:3], [best[4], wrong[5], best[6]], [best[8], best[9], wrong[10]]]
+    out = verify(Sampler(), logits, SamplingBatch.greedy_rows(), [4, 4, 4], drafts)
+    assert out == [best[0:4], [best[4], best[5]], [best[8], best[9], best[10]]]
+
+
 def test_general_path_with_greedy_rows_matches_the_greedy_fast_path():
     sampler = Sampler(torch.Generator().manual_seed(5))
     logits = torch.randn(9, 4)
