@@ -201,6 +201,25 @@ def test_greedy_drafts_verified_under_logits_processors_match_the_paper(setting)
     assert verdict.p_value > ALPHA, f"{setting}: {verdict}"
 
 
+@pytest.mark.parametrize("setting", ["t0.7-topk3", "t1.2"])
+def test_three_drafts_per_request_match_the_paper(setting):
+    """k = 3: every draft is judged by its own row, and so is every recovery (with k = 2 and
+    identical requests, reading a neighbour's verdict would go unnoticed)."""
+    kw = SETTINGS.get(setting, dict(temperature=1.2))
+    k, n = 3, 30_000
+    g = torch.Generator().manual_seed(12)
+    rows = torch.randn(k + 1, V, generator=g) * 2
+    targets = [reference_target(r.tolist(), **kw) for r in rows]
+    ranked = [r.argsort(descending=True).tolist() for r in rows]
+    drafts = [ranked[0][0], ranked[1][1], ranked[2][0]]
+    sampler = Sampler(torch.Generator().manual_seed(13))
+    out = verify(
+        sampler, rows.repeat(n, 1), sampling_batch((k + 1) * n, **kw), [k + 1] * n, [drafts] * n
+    )
+    verdict = goodness_of_fit([tuple(o) for o in out], reference_outcomes(targets, drafts))
+    assert verdict.p_value > ALPHA, f"{setting}: {verdict}"
+
+
 @pytest.mark.parametrize("setting", ["t0.7-topk3", "t1.3-minp0.2", "t0.3"])
 def test_sampled_drafts_verified_under_logits_processors_match_the_paper(setting):
     kw = SETTINGS[setting]
