@@ -28,7 +28,7 @@ serve: setup
 	$(VPY) -m xllm_py --num_speculative_tokens=1 $(ARGS)
 
 # Mutation check of the sampling and speculative-decoding modules (docs/testing.md);
-# about 15-45 minutes on 2 cores. Survivors: `$(VPY) -m mutmut results`.
+# about two hours on 2 cores. Survivors: `$(VPY) -m mutmut results`.
 mutation: setup
 	$(VPY) -m pip install -q -e ".[mutation]"
 	$(VPY) -m mutmut run --max-children 2
