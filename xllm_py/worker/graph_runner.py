@@ -3,21 +3,21 @@
 A step is uniform when every request in it schedules the same number Q of query tokens
 and every one of them is sampled: plain decode (Q = 1) and draft verification (Q = 1 + k,
 every request with k drafts). Such a step is padded to a bucket of B requests (the
-smallest configured batch size that holds it) and runs through a callable compiled for
-exactly that (B, Q): its inputs are persistent buffers the step is copied into, so shapes
-never change and the graph never reads a value back to the host (the MoE takes its
-static dense form under compilation, `MoE._routed_dense`).
+smallest configured batch size that holds it) and runs through the graph compiled for
+that (B, Q). The graph never reads a value back to the host: under compilation the MoE
+takes a static form (`MoE._routed_gathered` for few tokens, `MoE._routed_dense` beyond)
+and RoPE a real-valued table.
 
-Per bucket the buffers are
+Per step the graph's inputs are
 
-    input_ids, positions, slot_mapping  [B * Q]
+    input_ids, positions, slot_mapping  [B * Q]  persistent per bucket, filled by copying
     kv_blocks  [B, W]       W = blocks of the step's longest context, the one size that
                             varies (a dynamic dimension of the graph, not a recompile)
     mask       [B, Q, 1, W * block_size]  additive, built from the lengths
 
-and one `ForwardContext` that holds them, installed around the call. Padding rows write
-their (ignored) cache entries into a scratch block past the block manager's blocks, and
-attend to that block's first slot only.
+(the last two made per step), held by the bucket's one `ForwardContext`, installed
+around the call. Padding rows write their (ignored) cache entries into a scratch block
+past the block manager's blocks, and attend to that block's first Q slots only.
 
 Prefill, mixed prefill/decode steps, and the MTP draft passes stay eager. The backend
 is Inductor (`torch.compile`, `fullgraph=True`: a graph break is an error, not a slow
