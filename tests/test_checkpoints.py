@@ -193,17 +193,28 @@ def test_exported_draft_decodes_like_the_checkpoints_own_mtp(tmp_path):
     assert own.accepted_per_position[1] > 0  # the second, chained draft was used and kept
 
 
+def edit_draft(src: Path, edit, dst: Path | None = None) -> Path:
+    """`edit(tensors)` applied to the draft's safetensors shard, in a copy of `src` at `dst`
+    (or in place); returns the shard's path."""
+    if dst is not None:
+        dst.mkdir()
+        for f in src.iterdir():
+            (dst / f.name).write_bytes(f.read_bytes())
+    shard = next((dst or src).glob("*.safetensors"))
+    t = load_file(str(shard))
+    edit(t)
+    save_file(t, str(shard))
+    return shard
+
+
 def test_draft_with_a_head_copy_that_differs_is_refused(fp8_ckpt, exported, tmp_path):
     from xllm_py.worker.worker import load_draft_model
 
+    def shift_head(t):
+        t["model.shared_head.head.weight"] = t["model.shared_head.head.weight"] + 1
+
     bad = tmp_path / "bad"
-    bad.mkdir()
-    for f in exported.iterdir():
-        (bad / f.name).write_bytes(f.read_bytes())
-    shard = next(bad.glob("*.safetensors"))
-    t = load_file(str(shard))
-    t["model.shared_head.head.weight"] = t["model.shared_head.head.weight"] + 1
-    save_file(t, str(shard))
+    edit_draft(exported, shift_head, bad)
     llm = LLM(model=str(fp8_ckpt), dtype="float32", block_size=16)
     w = llm.engine.core.executor.worker
     with pytest.raises(ValueError, match="shared_head.head"):
@@ -225,28 +236,24 @@ def test_bf16_export_of_a_float32_target_loads_and_a_misshapen_copy_is_refused(
     w = llm.engine.core.executor.worker
     draft = load_draft_model(w.config, w.model, str(out), w.device, w.dtype)
     assert len(draft.layers) == 1
-    shard = next(out.glob("*.safetensors"))
-    t = load_file(str(shard))
-    head = t["model.shared_head.head.weight"]
-    t["model.shared_head.head.weight"] = head[:-1].clone()
-    save_file(t, str(shard))
-    with pytest.raises(
-        ValueError, match=rf"has shape \({head.shape[0] - 1}, .* has \({head.shape[0]}"
-    ):
+    rows = w.model.lm_head.weight.shape[0]
+
+    def drop_a_row(t):
+        t["model.shared_head.head.weight"] = t["model.shared_head.head.weight"][:-1].clone()
+
+    edit_draft(out, drop_a_row)
+    with pytest.raises(ValueError, match=rf"has shape \({rows - 1}, .* has \({rows}"):
         load_draft_model(w.config, w.model, str(out), w.device, w.dtype)
 
 
 def test_draft_with_an_unexpected_tensor_is_refused_by_name(fp8_ckpt, exported, tmp_path):
     from xllm_py.worker.worker import load_draft_model
 
+    def add_lm_head(t):
+        t["lm_head.weight"] = t["model.shared_head.head.weight"].clone()  # not a draft name
+
     bad = tmp_path / "extra"
-    bad.mkdir()
-    for f in exported.iterdir():
-        (bad / f.name).write_bytes(f.read_bytes())
-    shard = next(bad.glob("*.safetensors"))
-    t = load_file(str(shard))
-    t["lm_head.weight"] = t["model.shared_head.head.weight"].clone()  # not a draft name
-    save_file(t, str(shard))
+    shard = edit_draft(exported, add_lm_head, bad)
     index = bad / "model.safetensors.index.json"
     meta = json.loads(index.read_text())
     meta["weight_map"]["lm_head.weight"] = shard.name

@@ -204,13 +204,18 @@ def test_acceptance_counters_per_position():
     assert s.mean_acceptance_length == pytest.approx(1 + 3 / 3)
 
 
-def test_eos_inside_an_accepted_run(ckpt, prompts, baseline, tmp_path):
-    eos = baseline[0][5]  # the 6th greedy token of the first prompt becomes EOS
-    work = tmp_path / "eos"
+def with_eos(ckpt, eos: int, work):
+    """A copy of the checkpoint at `work` whose EOS token is `eos`."""
     shutil.copytree(ckpt, work)
     cfg = json.loads((work / "config.json").read_text())
     cfg["eos_token_id"] = eos
     (work / "config.json").write_text(json.dumps(cfg))
+    return work
+
+
+def test_eos_inside_an_accepted_run(ckpt, prompts, baseline, tmp_path):
+    eos = baseline[0][5]  # the 6th greedy token of the first prompt becomes EOS
+    work = with_eos(ckpt, eos, tmp_path / "eos")
     params = SamplingParams(max_tokens=24, temperature=0.0)
     plain, _ = generate(work, prompts, params)
     llm = LLM(model=str(work), dtype="float32", block_size=16, num_speculative_tokens=3)
@@ -226,11 +231,7 @@ def test_min_tokens_holds_under_speculation(ckpt, prompts, baseline, tmp_path):
     rows (whose draws differ from plain decoding's, not their distribution) never end
     before 10 tokens."""
     eos = baseline[0][5]
-    work = tmp_path / "eos"
-    shutil.copytree(ckpt, work)
-    cfg = json.loads((work / "config.json").read_text())
-    cfg["eos_token_id"] = eos
-    (work / "config.json").write_text(json.dumps(cfg))
+    work = with_eos(ckpt, eos, tmp_path / "eos")
     greedy = SamplingParams(max_tokens=24, min_tokens=10, temperature=0.0)
     seeded = SamplingParams(max_tokens=24, min_tokens=10, temperature=0.7, seed=3)
     params = [greedy if i % 2 == 0 else seeded for i in range(len(prompts))]
