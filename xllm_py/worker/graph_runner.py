@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from xllm_py.models.context import AttnGroup, ForwardContext, forward_context
 from xllm_py.models.layers.moe import MoE
@@ -104,13 +105,7 @@ class GraphRunner:
         seconds it took. Inductor's on-disk cache makes a second start faster."""
         t0 = time.perf_counter()
         keys = [(b, q) for q in self.q_lens for b in self.batch_sizes]
-        try:
-            from tqdm import tqdm
-
-            keys_iter = tqdm(keys, desc="compiling graphs", unit="graph")
-        except ImportError:  # tqdm comes with transformers; the engine does not need it
-            keys_iter = keys
-        for b, q in keys_iter:
+        for b, q in tqdm(keys, desc="compiling graphs", unit="graph"):
             lay = RequestLayout(0, q, q, [self.scratch_block])
             self._run(self._bucket(b, q), [0] * q, list(range(q)), [lay])
         took = time.perf_counter() - t0
