@@ -169,9 +169,14 @@ def run_graph_comparison(args, model_dir: Path) -> list[dict]:
             for g in (False, True)
         }
         runs: dict[tuple[bool, int], list[float]] = {key: [] for key in llms}
+        step_ms: dict[tuple[bool, int], list[float]] = {key: [] for key in llms}
+        steps: dict[tuple[bool, int], int] = {}
         for _ in range(args.repeats):
             for key, llm in llms.items():
-                runs[key].append(run_ours(llm, b, args.prompt_len, args.new_tokens)["decode_tok_s"])
+                r = run_ours(llm, b, args.prompt_len, args.new_tokens)
+                runs[key].append(r["decode_tok_s"])
+                step_ms[key].append(1000 * r["decode_s"] / r["decode_steps"])
+                steps[key] = r["decode_steps"]
         hf = bench_hf(model_dir, b, args.prompt_len, args.new_tokens, args.dtype)["decode_tok_s"]
         row = {"batch": b, "hf_decode_tok_s": hf, "configs": []}
         for (g, k), tok_s in runs.items():
@@ -184,20 +189,29 @@ def run_graph_comparison(args, model_dir: Path) -> list[dict]:
                     "runs_tok_s": tok_s,
                     "start_s": llms[(g, k)].start_s,
                     "vs_hf": med / hf,
+                    # greedy on fixed prompts: every run takes the same steps
+                    "decode_steps": steps[(g, k)],
+                    "tokens_per_step": (args.new_tokens - 1) / steps[(g, k)],
+                    "step_ms": statistics.median(step_ms[(g, k)]),
                 }
             )
         eager = {c["k"]: c["decode_tok_s"] for c in row["configs"] if not c["graph"]}
         plain_graph = next(
             (c["decode_tok_s"] for c in row["configs"] if c["graph"] and c["k"] == 0), None
         )
+        plain_ms = {c["graph"]: c["step_ms"] for c in row["configs"] if c["k"] == 0}
         for c in row["configs"]:
             c["vs_eager_same_k"] = c["decode_tok_s"] / eager[c["k"]]
             if plain_graph and c["graph"]:
                 c["vs_graph_k0"] = c["decode_tok_s"] / plain_graph
+            if c["graph"] in plain_ms:  # a step with k drafts, in plain steps (same mode)
+                c["step_cost_vs_k0"] = c["step_ms"] / plain_ms[c["graph"]]
             print(
                 f"batch {b:>3} k={c['k']} graph={'on ' if c['graph'] else 'off'}: "
                 f"{c['decode_tok_s']:8.1f} tok/s  vs eager {c['vs_eager_same_k']:4.2f}x  "
-                f"vs HF {c['vs_hf']:4.2f}x  start {c['start_s']:5.1f} s",
+                f"vs HF {c['vs_hf']:4.2f}x  step {c['step_ms']:5.2f} ms "
+                f"({c.get('step_cost_vs_k0', float('nan')):4.2f} plain steps, "
+                f"{c['tokens_per_step']:4.2f} tok/step)  start {c['start_s']:5.1f} s",
                 flush=True,
             )
         rows.append(row)

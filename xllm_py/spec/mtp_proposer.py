@@ -25,6 +25,15 @@ over positions that layer never wrote.
 Draft positions live in the request's own blocks: the scheduler reserves k
 look-ahead slots, and entries written for drafts that are later rejected are
 overwritten when those positions are verified.
+
+Graph mode (worker/graph_runner.py, one runner per MTP layer in `graphs`): after a
+verification step that ran as a graph (every request Q = 1 + k rows), the first pass
+takes all Q rows of every request rather than only the verified ones, so it is uniform
+too. The rows past a request's last verified position carry token 0 and write MTP
+cache entries at positions that are not verified yet; no valid row attends to them
+(attention is causal), and each is overwritten before it is read: the next chained
+draft step writes the first of them, and later passes write them again once they are
+verified. Chained steps (Q = 1 each) run in their layer's graph as they are.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import torch
 from xllm_py.models.context import forward_context
 from xllm_py.models.deepseek_mtp import DeepseekV3MTP
 from xllm_py.worker.attention_layout import RequestLayout, build_context
+from xllm_py.worker.graph_runner import GraphRunner
 
 
 @dataclass
@@ -66,20 +76,40 @@ class MTPProposer:
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.graphs: dict[int, GraphRunner] = {}  # MTP layer -> its runner, in graph mode
+
+    def graph_q_lens(self) -> dict[int, tuple[int, ...]]:
+        """MTP layer -> the query lengths its passes take in graph mode: 1 + k for the
+        first pass (every layer a step uses fills its cache there), 1 for the chained
+        steps it runs."""
+        n = len(self.draft.layers)
+        out = {}
+        for layer in range(min(self.k, n)):
+            chained = any(step % n == layer for step in range(1, self.k))
+            out[layer] = (1 + self.k, 1) if chained else (1 + self.k,)
+        return out
 
     def propose(self, items: list[ProposeInput], target_hidden: torch.Tensor) -> list[list[int]]:
         """One list of drafts (k tokens, or none) per item."""
         if not items:
             return []
-        rows = [r for it in items for r in it.rows]
-        next_ids = [t for it in items for t in it.next_ids]
-        positions = [it.start + j for it in items for j in range(len(it.rows))]
+        q = 1 + self.k
+        first = self.graphs.get(0)  # the uniform first pass only pays off in a graph
+        uniform = first is not None and len(items) <= first.batch_sizes[-1]
+        uniform = uniform and len(target_hidden) == q * len(items)
+        uniform = uniform and all(it.rows[0] == i * q for i, it in enumerate(items))
+        if uniform:  # every row of every request, as the target step ran (module docstring)
+            counts, hidden = [q] * len(items), target_hidden
+        else:  # each request's newly verified rows
+            counts = [len(it.rows) for it in items]
+            rows = [r for it in items for r in it.rows]
+            hidden = target_hidden[torch.tensor(rows, device=self.device)]
+        next_ids = [t for it, c in zip(items, counts) for t in (it.next_ids + [0] * c)[:c]]
+        positions = [it.start + j for it, c in zip(items, counts) for j in range(c)]
         layouts, start = [], 0
-        for it in items:
-            n = len(it.rows)
-            layouts.append(RequestLayout(start, n, it.start + n, it.block_ids))
-            start += n
-        hidden = target_hidden[torch.tensor(rows, device=self.device)]
+        for it, c in zip(items, counts):
+            layouts.append(RequestLayout(start, c, it.start + c, it.block_ids))
+            start += c
         x = self._run(next_ids, positions, hidden, layouts, step=0)
         for layer in range(1, min(self.k, len(self.draft.layers))):  # fill the later layers' caches
             self._run(next_ids, positions, hidden, layouts, step=layer)
@@ -88,7 +118,7 @@ class MTPProposer:
         if not want:
             return drafts
         last = torch.tensor(
-            [layouts[i].start + layouts[i].q_len - 1 for i in want], device=self.device
+            [layouts[i].start + len(items[i].rows) - 1 for i in want], device=self.device
         )
         x = x[last]
         tokens = self.draft.compute_logits(x, 0).argmax(dim=-1)
@@ -117,6 +147,10 @@ class MTPProposer:
         return item.start + len(item.rows) - 1  # the request's last verified position
 
     def _run(self, ids, positions, hidden, layouts: list[RequestLayout], step: int) -> torch.Tensor:
+        graphs = self.graphs.get(step % len(self.draft.layers))
+        key = None if graphs is None else graphs.bucket_for(layouts)
+        if key is not None:
+            return graphs.run(key, ids, positions, layouts, [hidden])
         pos = torch.tensor(positions, device=self.device)
         ctx = build_context(layouts, pos, self.kv_caches, self.block_size, self.dtype)
         with forward_context(ctx):

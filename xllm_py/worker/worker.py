@@ -220,6 +220,33 @@ class Worker:
                 self.dtype,
                 self.config.max_model_len,
             )
+            if self.graph_mode:
+                proposer = self.runner.proposer
+                for layer, q_lens in proposer.graph_q_lens().items():
+                    proposer.graphs[layer] = GraphRunner(
+                        self.draft,
+                        caches,
+                        self.config.cache.block_size,
+                        self.config.max_blocks_per_seq,
+                        scratch_block=num_blocks,
+                        batch_sizes=self.config.device.graph_batch_sizes,
+                        q_lens=q_lens,
+                        device=self.device,
+                        dtype=self.dtype,
+                        fn=_draft_pass(self.draft, layer),
+                        extras=((self.config.model.hidden_size,),),
+                        name=f"MTP layer {layer}",
+                    )
+                    proposer.graphs[layer].warm_up()
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)
+
+
+def _draft_pass(draft, layer: int):
+    """The MTP pass of `layer` as a function of the graph's inputs (ids, positions, hidden)."""
+
+    def run(next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor):
+        return draft(next_ids, positions, hidden, layer)
+
+    return run
