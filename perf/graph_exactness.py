@@ -54,8 +54,22 @@ def compare(prompts, params, batch: int, k: int, tolerance: float) -> dict:
         for layer, g in runner.proposer.graphs.items():
             graph_steps |= {f"MTP layer {layer} B{b} Q{q}": n for (b, q), n in g.steps.items()}
     differ = [i for i, (a, b) in enumerate(zip(tokens, eager_tokens)) if a != b]
+    # where each differing prompt first emits another token; logprobs are compared up to
+    # there (past it the two runs score different tokens in different contexts)
+    first = {
+        i: next(
+            (j for j, (x, y) in enumerate(zip(tokens[i], eager_tokens[i])) if x != y),
+            min(len(tokens[i]), len(eager_tokens[i])),
+        )
+        for i in differ
+    }
     max_diff = max(
-        (abs(x - y) for got, want in zip(lp, eager_lp) for x, y in zip(got, want)), default=0.0
+        (
+            abs(x - y)
+            for i, (got, want) in enumerate(zip(lp, eager_lp))
+            for x, y in list(zip(got, want))[: first.get(i)]
+        ),
+        default=0.0,
     )
     row = {
         "batch": batch,
@@ -63,6 +77,7 @@ def compare(prompts, params, batch: int, k: int, tolerance: float) -> dict:
         "prompts": len(prompts),
         "tokens_compared": sum(len(t) for t in eager_tokens),
         "prompts_differing": differ,
+        "first_differing_token": first,
         "max_logprob_diff": max_diff,
         "graph_steps": graph_steps,
         "graph_start_s": start_s,

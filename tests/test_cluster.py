@@ -268,6 +268,23 @@ def test_two_node_greedy_equals_one_node(layout, k, offline_greedy):
         assert c.worker.wait(30) == 0, c.worker.output()
 
 
+def test_two_node_graph_mode_equals_one_node(offline_greedy):
+    """Graph mode on both ranks of a TP replica with partitioned experts (the "ep" layout:
+    all-reduces of attention and MoE inside the graphs), MTP k = 1: the offline API's output."""
+    flags = ("--dtype=float32", "--num_speculative_tokens=1", "--enable_graph=true")
+    with Cluster(*flags, "--graph_batch_sizes", "4", layout=LAYOUTS["ep"]) as c:
+        c.wait_healthy(timeout=400)  # both ranks compile 3 graphs first
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: complete(c.url, p), PROMPTS))
+        assert got == offline_greedy
+        for node in (c.master, c.worker):
+            assert "graph mode: 2 target graphs compiled" in node.output()
+            assert "graph mode: 1 MTP layer 0 graphs compiled" in node.output()
+        c.master.proc.send_signal(signal.SIGTERM)
+        assert c.master.wait(60) == 0
+        assert c.worker.wait(30) == 0, c.worker.output()
+
+
 def test_worker_with_other_config_is_refused():
     with Cluster("--dtype=float32", "--cluster_timeout=60", worker_flags=("--block_size=32",)) as c:
         assert c.worker.wait(60) == 2

@@ -31,7 +31,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [200, 3, 17, 90, 41, 8, 8, 9, 100, 12], [42]]
 
 
-def generate(path, k: int, parallel: ParallelContext | None = None):
+def generate(path, k: int, parallel: ParallelContext | None = None, **engine):
     """Greedy tokens for PROMPTS, and every (hidden, logits) pair the engine sampled from."""
     if parallel is not None:
         use_parallel_workers(parallel)
@@ -41,6 +41,7 @@ def generate(path, k: int, parallel: ParallelContext | None = None):
         block_size=16,
         max_cache_size=4 << 20,  # same block count on every rank, whatever RAM is free
         num_speculative_tokens=k,
+        **engine,
     )
     model = llm.engine.core.executor.worker.model
     seen = []
@@ -52,6 +53,11 @@ def generate(path, k: int, parallel: ParallelContext | None = None):
 
     model.compute_logits = compute_logits  # the draft calls the target's too
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    if engine.get("enable_graph"):
+        runner = llm.engine.core.executor.worker.runner
+        graph_steps = dict(runner.graphs.steps)
+        graph_steps |= {("draft",) + key: n for key, n in runner.proposer.graphs[0].steps.items()}
+        seen.append(graph_steps)
     return [o.outputs[0].token_ids for o in outs], seen
 
 
@@ -97,6 +103,29 @@ def test_two_ranks_generate_like_one_process(jobs, single, ep_size, tmp_path):
         # replicated lm_head over identical all-reduce results: the ranks agree exactly
         for (_, a), (_, b) in zip(per_rank[0][1], per_rank[1][1]):
             assert torch.equal(a, b)
+
+
+def _generate_in_graph_mode(path, parallel: ParallelContext):
+    return generate(path, 1, parallel, enable_graph=True, graph_batch_sizes=[4])
+
+
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2_ep2"])
+def test_two_ranks_in_graph_mode_generate_like_one_eager_process(
+    jobs, single, mtp_ckpt, ep_size, tmp_path
+):
+    """Graph mode (worker/graph_runner.py) on both ranks, all-reduces inside the graphs:
+    the tokens, hidden states and logits of one eager process, MTP k = 1."""
+    ranks = run_ranks(ep_size, functools.partial(_generate_in_graph_mode, mtp_ckpt), tmp_path)
+    tokens, seen = single[jobs.index((mtp_ckpt, 1))]
+    for r, (r_tokens, r_seen) in enumerate(ranks):
+        graph_steps = r_seen.pop()
+        # decode steps (all 4 requests with a draft, or one request left) ran in the graphs
+        assert graph_steps[(4, 2)] >= 4 and graph_steps[("draft", 4, 2)] >= 4, graph_steps
+        assert r_tokens == tokens, f"rank {r}"
+        assert len(r_seen) == len(seen), f"rank {r}"
+        for (h, logits), (rh, r_logits) in zip(seen, r_seen):
+            assert (rh - h).abs().max() < 1e-4, f"rank {r}"
+            assert (r_logits - logits).abs().max() < 1e-4, f"rank {r}"
 
 
 # ---- shards without processes (group None: shapes and loading only) ----

@@ -154,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     boolean(
         "enable_graph",
         False,
-        "graph mode: run decode and draft-verification steps as compiled fixed-shape graphs "
-        "(torch.compile/Inductor; tp_size 1 only; compiles every bucket at start-up)",
+        "graph mode: run decode, draft-verification and MTP drafting steps as compiled "
+        "fixed-shape graphs (torch.compile/Inductor; every rank of a TP/EP replica, "
+        "all-reduces inside the graphs; compiles every bucket at start-up)",
     )
     flag(
         "graph_batch_sizes",

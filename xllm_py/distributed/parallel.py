@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class ParallelContext:
                 f"ep_size={self.ep_size}: must be 1 or equal to tp_size={self.tp_size} "
                 "(experts are partitioned across the tensor-parallel ranks)"
             )
+        # looked up here, once: graph mode's compiled all-reduce reads it while tracing
+        backend = None if self.group is None else dist.get_backend(self.group)
+        object.__setattr__(self, "_backend", backend)
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None = None, ep_size: int = 1):
@@ -73,8 +77,14 @@ class ParallelContext:
             return x
         if self.group is None:
             raise RuntimeError("ParallelContext without a process group cannot all-reduce")
+        if torch.compiler.is_compiling():
+            # Graph mode (worker/graph_runner.py): the functional form, which a compiled
+            # graph holds as one of its ops. Low-precision sums in float32, as below.
+            low = x.dtype in (torch.bfloat16, torch.float16) and self.backend == "gloo"
+            y = fc.all_reduce(x.float() if low else x, "sum", self.group)
+            return y.to(x.dtype) if low else y
         # gloo has no bf16/fp16 sum: reduce in float32 and cast back.
-        if x.dtype in (torch.bfloat16, torch.float16) and self._backend == "gloo":
+        if x.dtype in (torch.bfloat16, torch.float16) and self.backend == "gloo":
             y = x.float()
             dist.all_reduce(y, group=self.group)
             return y.to(x.dtype)
@@ -82,8 +92,9 @@ class ParallelContext:
         return x
 
     @property
-    def _backend(self) -> str:
-        return dist.get_backend(self.group)
+    def backend(self) -> str | None:
+        """The process group's backend ("gloo", "nccl", ...); None without a group."""
+        return self._backend
 
 
 SINGLE = ParallelContext()  # one process: every layer whole, all_reduce a no-op

@@ -95,10 +95,12 @@ class GrpcExecutor(Executor):
         process group's rendezvous): each loads its shard and allocates num_blocks."""
         self._wait_all(self.send_init(num_blocks), "InitModel")
 
-    def send_step(self, sched: SchedulerOutput) -> list:
-        """ExecuteStep to every rank, not waiting: one future per rank."""
+    def send_step(self, sched: SchedulerOutput, timeout: float | None = None) -> list:
+        """ExecuteStep to every rank, not waiting: one future per rank (deadline
+        --step_timeout unless `timeout` is given)."""
         req = sched_to_pb(sched)
-        return [c.stub.ExecuteStep.future(req, timeout=self.step_timeout) for c in self.clients]
+        timeout = timeout or self.step_timeout
+        return [c.stub.ExecuteStep.future(req, timeout=timeout) for c in self.clients]
 
     def send_init(self, num_blocks: int) -> list:
         """InitModel to every rank, not waiting: one future per rank."""
@@ -182,6 +184,16 @@ class MasterReplicaExecutor(Executor):
 
     def init_cache(self, num_blocks: int) -> None:
         self.worker.init_cache(num_blocks, self.seed)
+        if self.worker.graph_mode:
+            # An empty step, during which every rank compiles its graphs (Worker.execute):
+            # their dummy steps all-reduce, so the ranks must do it together.
+            futures = self.remote.send_step(SchedulerOutput(), timeout=INIT_TIMEOUT_S)
+            try:
+                self.worker.execute(SchedulerOutput())
+            except BaseException:
+                self.remote._cancel(futures)
+                raise
+            self.remote._wait_all(futures, "graph compilation")
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         futures = self.remote.send_step(sched)

@@ -29,7 +29,9 @@ scratch block past the block manager's blocks, and attend to that block's first 
 Prefill and mixed prefill/decode steps stay eager, and so do the logits and sampling
 (outside the graph). The backend is Inductor (`torch.compile`, `fullgraph=True`: a graph
 break is an error, not a slow path); CUDA-graph capture of the same buffers is not
-written yet. Tensor/expert parallel ranks run eager: collectives are not traced.
+written yet. Tensor/expert parallel ranks run graphs too: every rank takes the same
+bucket for a step (they run the same schedule), and the all-reduces are functional
+collectives inside the graph (`ParallelContext.all_reduce`).
 """
 
 from __future__ import annotations

@@ -159,8 +159,8 @@ class Worker:
 
     @property
     def graph_mode(self) -> bool:
-        """--enable_graph, on a rank that runs the whole model (collectives are not traced)."""
-        return self.config.device.enable_graph and self.parallel.tp_size == 1
+        """--enable_graph (every rank of a replica: its collectives are in the graphs)."""
+        return self.config.device.enable_graph
 
     def init_cache(self, num_blocks: int, seed: int = 0) -> None:
         # Graph mode writes its padding rows into one scratch block past the managed ones.
@@ -190,12 +190,6 @@ class Worker:
             self.dtype,
             seed,
         )
-        if self.config.device.enable_graph and not self.graph_mode:
-            logger.warning(
-                "graph mode: off on this tensor/expert-parallel rank (tp_size=%d): "
-                "collectives are not traced yet, steps run eager",
-                self.parallel.tp_size,
-            )
         if self.graph_mode:
             k = self.config.spec.num_speculative_tokens
             self.runner.graphs = GraphRunner(
@@ -209,7 +203,6 @@ class Worker:
                 device=self.device,
                 dtype=self.dtype,
             )
-            self.runner.graphs.warm_up()
         if self.draft is not None:
             self.runner.proposer = MTPProposer(
                 self.draft,
@@ -237,9 +230,25 @@ class Worker:
                         extras=((self.config.model.hidden_size,),),
                         name=f"MTP layer {layer}",
                     )
-                    proposer.graphs[layer].warm_up()
+        if self.graph_mode and self.parallel.tp_size == 1:
+            self.warm_up_graphs()
+        elif self.graph_mode:
+            logger.info("graph mode: the replica's ranks compile together at its first step")
+
+    def warm_up_graphs(self) -> None:
+        """Compile every graph now. The ranks of a tensor-parallel replica must do this
+        together (the dummy steps all-reduce), which `execute` does at the replica's first
+        step: the master sends an empty one at start-up."""
+        runners = [self.runner.graphs]
+        if self.runner.proposer is not None:
+            runners += self.runner.proposer.graphs.values()
+        for graphs in runners:
+            if not graphs.warm:
+                graphs.warm_up()
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.graph_mode and not self.runner.graphs.warm:
+            self.warm_up_graphs()
         return self.runner.execute(sched)
 
 
