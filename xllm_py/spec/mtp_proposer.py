@@ -26,14 +26,10 @@ Draft positions live in the request's own blocks: the scheduler reserves k
 look-ahead slots, and entries written for drafts that are later rejected are
 overwritten when those positions are verified.
 
-Graph mode (worker/graph_runner.py, one runner per MTP layer in `graphs`): after a
-verification step that ran as a graph (every request Q = 1 + k rows), the first pass
-takes all Q rows of every request rather than only the verified ones, so it is uniform
-too. The rows past a request's last verified position carry token 0 and write MTP
-cache entries at positions that are not verified yet; no valid row attends to them
-(attention is causal), and each is overwritten before it is read: the next chained
-draft step writes the first of them, and later passes write them again once they are
-verified. Chained steps (Q = 1 each) run in their layer's graph as they are.
+Graph mode (worker/graph_runner.py, one runner per MTP layer in `graphs`): a pass
+whose requests each have at most 1 + k rows (the first pass after a decode or
+verification step) or one row (a chained step) runs in its layer's graph, each
+request's rows padded to the bucket's.
 """
 
 from __future__ import annotations
@@ -93,23 +89,15 @@ class MTPProposer:
         """One list of drafts (k tokens, or none) per item."""
         if not items:
             return []
-        q = 1 + self.k
-        first = self.graphs.get(0)  # the uniform first pass only pays off in a graph
-        uniform = first is not None and len(items) <= first.batch_sizes[-1]
-        uniform = uniform and len(target_hidden) == q * len(items)
-        uniform = uniform and all(it.rows[0] == i * q for i, it in enumerate(items))
-        if uniform:  # every row of every request, as the target step ran (module docstring)
-            counts, hidden = [q] * len(items), target_hidden
-        else:  # each request's newly verified rows
-            counts = [len(it.rows) for it in items]
-            rows = [r for it in items for r in it.rows]
-            hidden = target_hidden[torch.tensor(rows, device=self.device)]
-        next_ids = [t for it, c in zip(items, counts) for t in (it.next_ids + [0] * c)[:c]]
-        positions = [it.start + j for it, c in zip(items, counts) for j in range(c)]
+        rows = [r for it in items for r in it.rows]
+        next_ids = [t for it in items for t in it.next_ids]
+        positions = [it.start + j for it in items for j in range(len(it.rows))]
         layouts, start = [], 0
-        for it, c in zip(items, counts):
-            layouts.append(RequestLayout(start, c, it.start + c, it.block_ids))
-            start += c
+        for it in items:
+            n = len(it.rows)
+            layouts.append(RequestLayout(start, n, it.start + n, it.block_ids))
+            start += n
+        hidden = target_hidden[torch.tensor(rows, device=self.device)]
         x = self._run(next_ids, positions, hidden, layouts, step=0)
         for layer in range(1, min(self.k, len(self.draft.layers))):  # fill the later layers' caches
             self._run(next_ids, positions, hidden, layouts, step=layer)
@@ -118,7 +106,7 @@ class MTPProposer:
         if not want:
             return drafts
         last = torch.tensor(
-            [layouts[i].start + len(items[i].rows) - 1 for i in want], device=self.device
+            [layouts[i].start + layouts[i].q_len - 1 for i in want], device=self.device
         )
         x = x[last]
         tokens = self.draft.compute_logits(x, 0).argmax(dim=-1)

@@ -1,18 +1,19 @@
-"""Graph mode: forward passes over uniform steps as one compiled graph per bucket.
+"""Graph mode: forward passes over decode-like steps as one compiled graph per bucket.
 
-A pass is uniform when every request in it has the same number Q of query rows. Three
-kinds of pass qualify, each with its own `GraphRunner`:
+A pass qualifies when every request in it has at most Q rows, Q one of the compiled
+query lengths. Three kinds of pass do, each with its own `GraphRunner`:
 
     target decode / verification  every request samples all its rows: Q = 1, or Q = 1 + k
-                                  with k drafts each
-    MTP first pass                after a uniform verification step: all Q = 1 + k rows of
-                                  each request (mtp_proposer.py explains the padding rows)
+                                  with up to k drafts each
+    MTP first pass                after such a step: each request's newly verified rows,
+                                  at most 1 + k
     MTP chained draft step        Q = 1
 
-A pass is padded to a bucket of B requests (the smallest configured batch size that holds
-it) and runs through the graph compiled for that (B, Q). The graph never reads a value
-back to the host: under compilation the MoE takes a static form (`MoE._routed_gathered`
-for few tokens, `MoE._routed_dense` beyond) and RoPE a real-valued table.
+A pass is padded to a bucket of B requests x Q rows (the smallest configured batch size
+that holds it, the smallest Q that holds its longest request) and runs through the graph
+compiled for that (B, Q). The graph never reads a value back to the host: under
+compilation the MoE takes a static form (`MoE._routed_gathered` for few tokens,
+`MoE._routed_dense` beyond) and RoPE a real-valued table.
 
 Per step the graph's inputs are
 
@@ -24,7 +25,7 @@ Per step the graph's inputs are
 
 (the last three made per step), the last two held by the bucket's one `ForwardContext`,
 installed around the call. Padding rows write their (ignored) cache entries into a
-scratch block past the block manager's blocks, and attend to that block's first Q slots.
+scratch block past the block manager's blocks; their outputs are dropped.
 
 Prefill and mixed prefill/decode steps stay eager, and so do the logits and sampling
 (outside the graph). The backend is Inductor (`torch.compile`, `fullgraph=True`: a graph
@@ -112,12 +113,13 @@ class GraphRunner:
         self.warm = False  # every bucket compiled
 
     def bucket_for(self, layouts: list[RequestLayout]) -> tuple[int, int] | None:
-        """(B, Q) of the bucket this step runs in, or None when it must run eager."""
-        q = layouts[0].q_len
-        if q not in self.q_lens or any(lay.q_len != q for lay in layouts):
-            return None
+        """(B, Q) of the bucket this pass runs in, or None when it must run eager: the
+        smallest compiled Q that holds every request's rows, the smallest B that holds the
+        requests."""
+        longest = max(lay.q_len for lay in layouts)
+        q = min((q for q in self.q_lens if q >= longest), default=None)
         b = next((b for b in self.batch_sizes if b >= len(layouts)), None)
-        return None if b is None else (b, q)
+        return None if q is None or b is None else (b, q)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
@@ -165,35 +167,60 @@ class GraphRunner:
         return self.buckets[key]
 
     def _run(self, bk: _Bucket, input_ids, positions, layouts, extras=()) -> torch.Tensor:
-        n, pad = len(input_ids), bk.batch * bk.q_len - len(input_ids)
+        B, Q = bk.batch, bk.q_len
         bs, dev, scratch = self.block_size, self.device, self.scratch_block
-        bk.input_ids.copy_(torch.tensor(input_ids + [0] * pad))
-        bk.positions.copy_(torch.tensor(positions + [0] * pad))
-        slots = [
-            lay.block_ids[p // bs] * bs + p % bs
-            for lay in layouts
-            for p in range(lay.ctx_len - lay.q_len, lay.ctx_len)
-        ]
-        bk.ctx.slot_mapping.copy_(torch.tensor(slots + [scratch * bs] * pad))
+        # Row b * Q + j is row j of request b. A request with q_len < Q fills the rest of
+        # its Q rows with padding, like the requests past the last (B - len(layouts)):
+        # token 0 at the request's last position, cache entry written to the scratch
+        # block's slot j, output dropped.
+        ids, pos, slots, real = [], [], [], []
+        for b, lay in enumerate(layouts):
+            first = lay.ctx_len - lay.q_len
+            for j in range(Q):
+                if j < lay.q_len:
+                    p = first + j
+                    ids.append(input_ids[lay.start + j])
+                    slots.append(lay.block_ids[p // bs] * bs + p % bs)
+                    real.append(b * Q + j)
+                else:
+                    p = lay.ctx_len - 1
+                    ids.append(0)
+                    slots.append(scratch * bs + j)
+                pos.append(p)
+        pad_reqs = B - len(layouts)
+        pos += list(range(Q)) * pad_reqs
+        bk.input_ids.copy_(torch.tensor(ids + [0] * (pad_reqs * Q)))
+        bk.positions.copy_(torch.tensor(pos))
+        bk.ctx.slot_mapping.copy_(
+            torch.tensor(slots + [scratch * bs + j for j in range(Q)] * pad_reqs)
+        )
         # The context width W (in blocks) is the graph's one dynamic size: at least 2, so
         # the compiler cannot specialise it to 1.
         width = max(2, max(-(-lay.ctx_len // bs) for lay in layouts))
-        pad_rows = bk.batch - len(layouts)
         table = [(lay.block_ids + [scratch] * width)[:width] for lay in layouts]
         group = bk.ctx.groups[0]
-        group.kv_blocks = torch.tensor(table + [[scratch] * width] * pad_rows, device=dev)
-        ctx_lens = torch.tensor([lay.ctx_len for lay in layouts] + [bk.q_len] * pad_rows)
-        # query q of request b sees keys 0 .. ctx_len - Q + q (padding rows: the scratch
-        # block's first Q slots)
-        q_pos = (ctx_lens - bk.q_len).view(-1, 1) + torch.arange(bk.q_len)
+        group.kv_blocks = torch.tensor(table + [[scratch] * width] * pad_reqs, device=dev)
+        # row j of request b sees keys 0 .. its position (padding requests: the scratch
+        # block's first Q slots, which their own rows write)
+        q_pos = torch.tensor(pos).view(B, Q)
         allowed = torch.arange(width * bs).view(1, 1, -1) <= q_pos.unsqueeze(-1)  # [B, Q, L]
         group.mask = torch.where(allowed, 0.0, float("-inf")).to(dev, self.dtype).unsqueeze(2)
         torch._dynamo.mark_dynamic(group.kv_blocks, 1)
         torch._dynamo.mark_dynamic(group.mask, 3)
-        rows = [torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x for x in extras]
+        n = len(real)
+        dense = real[-1] == n - 1  # the real rows are rows 0 .. n-1: no gather, no scatter
+        index = None if dense else torch.tensor(real, device=dev)
+        rows = []
+        for x in extras:
+            full = x.new_zeros(B * Q, *x.shape[1:])
+            if index is None:
+                full[:n] = x
+            else:
+                full.index_copy_(0, index, x)
+            rows.append(full)
         with forward_context(bk.ctx), self._stance():
             out = self._compiled(bk.input_ids, bk.positions, *rows)
-        return out[:n]
+        return out[:n] if index is None else out[index]
 
     def _stance(self):
         """After warm-up, dynamo checks only the guards that tell this function's compiled
