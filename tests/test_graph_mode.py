@@ -65,3 +65,17 @@ def test_graph_mode_gives_eager_tokens_and_logprobs(prompts, eager, k):
 def test_graph_mode_flags_are_checked():
     with pytest.raises(ValueError, match="graph_batch_sizes=\\[0\\]"):
         LLM(enable_graph=True, graph_batch_sizes=[0], **OPTIONS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("k", [0, 2])
+def test_graph_mode_on_cuda_gives_eager_tokens(prompts, k):
+    """The same graphs (Inductor) on a CUDA device: eager's tokens, logprobs within 1e-4
+    (GPU kernels round differently from one another)."""
+    opts = dict(OPTIONS, device="cuda:0", num_speculative_tokens=k)
+    eager_tokens, eager_logprobs = decode(LLM(**opts), prompts)
+    tokens, logprobs = decode(LLM(enable_graph=True, graph_batch_sizes=[4], **opts), prompts)
+    assert tokens == eager_tokens
+    for got, want in zip(logprobs, eager_logprobs):
+        assert got == pytest.approx(want, abs=1e-4)

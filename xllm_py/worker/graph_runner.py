@@ -11,9 +11,12 @@ query lengths. Three kinds of pass do, each with its own `GraphRunner`:
 
 A pass is padded to a bucket of B requests x Q rows (the smallest configured batch size
 that holds it, the smallest Q that holds its longest request) and runs through the graph
-compiled for that (B, Q). The graph never reads a value back to the host: under
-compilation the MoE takes a static form (`MoE._routed_gathered` for few tokens,
-`MoE._routed_dense` beyond) and RoPE a real-valued table.
+compiled for that (B, Q). Under compilation RoPE takes a real-valued table and the MoE,
+for few tokens, a static form that gathers the chosen experts' weights
+(`MoE._routed_gathered`); for more it runs the eager grouped form as one opaque op
+(`moe.routed_grouped_op`), the one place a graph reads values back to the host (the
+per-expert counts): on CPU that measured faster than a static dense form (every
+expert over every token), which a CUDA-graph capture would need instead.
 
 Per step the graph's inputs are
 
@@ -47,7 +50,6 @@ import torch
 from tqdm import tqdm
 
 from xllm_py.models.context import AttnGroup, ForwardContext, forward_context
-from xllm_py.models.layers.moe import MoE
 from xllm_py.worker.attention_layout import RequestLayout
 
 logger = logging.getLogger(__name__)
@@ -68,9 +70,9 @@ class _Bucket:
 
 
 class GraphRunner:
-    """Runs uniform passes (see the module docstring) of `fn(input_ids, positions, *extras)`
-    through compiled, fixed-shape graphs. `model` is the module `fn` runs (its MoE layers
-    get their static form); `extras` gives each extra row input's trailing shape, for the
+    """Runs passes (see the module docstring) of `fn(input_ids, positions, *extras)`
+    through compiled, fixed-shape graphs. `model` is the module `fn` runs (default
+    `model.forward`); `extras` gives each extra row input's trailing shape, for the
     warm-up's dummy step; `name` labels the progress bar and log line."""
 
     def __init__(
@@ -88,7 +90,6 @@ class GraphRunner:
         extras: tuple[tuple[int, ...], ...] = (),
         name: str = "target",
     ) -> None:
-        self.model = model
         self.extras = extras
         self.name = name
         self.kv_caches = kv_caches
@@ -99,9 +100,6 @@ class GraphRunner:
         self.q_lens = tuple(q_lens)
         self.device = device
         self.dtype = dtype
-        for m in model.modules():
-            if isinstance(m, MoE):
-                m.prepare_dense()
         # One compiled entry per bucket (per engine in this process): beyond the limit,
         # dynamo would refuse to compile (an error under fullgraph=True).
         torch._dynamo.config.cache_size_limit += len(self.batch_sizes) * len(self.q_lens)

@@ -34,7 +34,7 @@ from xllm_py.models.layers.mlp import MLP, swiglu
 # Up to this many (token, expert) assignments, experts run pair by pair (see _routed_small).
 SMALL_BATCH_ASSIGNMENTS = 8
 # In graph mode, up to this many assignments gather the chosen experts' weights; more run
-# every expert densely (see _routed_gathered, _routed_dense).
+# the grouped form as one opaque op (see _routed_gathered, routed_grouped_op).
 GRAPH_GATHER_ASSIGNMENTS = 16
 
 
@@ -133,13 +133,13 @@ class MoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         weights = weights.to(x.dtype)
-        if torch.compiler.is_compiling():  # graph mode: no host syncs, static shapes
-            if ids.numel() <= GRAPH_GATHER_ASSIGNMENTS:
-                return self._routed_gathered(x, weights, ids)
-            return self._routed_dense(x, weights, ids)
+        if torch.compiler.is_compiling() and ids.numel() <= GRAPH_GATHER_ASSIGNMENTS:
+            return self._routed_gathered(x, weights, ids)  # graph mode, few tokens
+        if torch.compiler.is_compiling():  # graph mode: the grouped form as one opaque op
+            return routed_grouped_op(x, weights, ids, self.w13, self.w2, self.first_expert)
         if ids.numel() <= SMALL_BATCH_ASSIGNMENTS:
             return self._routed_small(x, weights, ids)
-        return self._routed_grouped(x, weights, ids)
+        return routed_grouped(x, weights, ids, self.w13, self.w2, self.first_expert)
 
     def _routed_small(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
@@ -157,28 +157,6 @@ class MoE(nn.Module):
             rows.append(torch.zeros_like(xt) if out is None else out)
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
-    def _routed_grouped(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        top_k, n_local = ids.shape[1], self.num_local_experts
-        flat_ids = ids.view(-1)
-        if n_local < self.num_experts:  # local expert ids; another rank's -> n_local (sorts last)
-            flat_ids = flat_ids - self.first_expert
-            flat_ids = flat_ids.masked_fill((flat_ids < 0) | (flat_ids >= n_local), n_local)
-        order = flat_ids.argsort()  # assignments grouped by expert
-        counts = torch.bincount(flat_ids, minlength=n_local + 1).tolist()[:n_local]
-        order = order[: sum(counts)]  # drop the assignments to other ranks' experts
-        token_of = order // top_k  # [assignments] source token of each sorted assignment
-        xs = x[token_of]
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                ys[start : start + n] = swiglu(xs[start : start + n], self.w13[e], self.w2[e])
-                start += n
-        ys = ys * weights.view(-1)[order].unsqueeze(1)
-        return torch.zeros_like(x).index_add_(0, token_of, ys)
-
     def _routed_gathered(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
@@ -195,32 +173,52 @@ class MoE(nn.Module):
         y = torch.bmm(self.w2[idx], act.unsqueeze(-1)).view(T, top_k, -1)
         return y.sum(dim=1)
 
-    def prepare_dense(self) -> None:
-        """The experts as two plain matrices for `_routed_dense` (graph mode only; a second
-        copy of the routed weights): gate/up of every local expert stacked `[E * 2I, hidden]`,
-        down projections side by side `[hidden, E * I]`."""
-        E, two_i, hidden = self.w13.shape
-        self.w13_dense = self.w13.reshape(E * two_i, hidden).contiguous()
-        self.w2_dense = self.w2.permute(1, 0, 2).reshape(hidden, E * (two_i // 2)).contiguous()
 
-    def _routed_dense(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        """Every local expert over every token, weighted by the routing weights (zero where a
-        token did not pick the expert), as two matrix products: shapes depend only on T and
-        nothing reads values back to the host, so the step compiles into one graph
-        (worker/graph_runner.py). Since sum_e w_e * down_e(a_e) = [w_1 a_1 | ... | w_E a_E]
-        times the side-by-side down projections, the weighting happens before the second
-        product. It does E / top_k times the expert FLOPs, which on the small models graph
-        mode serves costs less than the ops it saves; a grouped GEMM is the form for
-        DeepSeek-V3's 256 experts (not written yet)."""
-        n_local = self.num_local_experts
-        T = x.shape[0]
-        local = ids - self.first_expert
-        owned = (local >= 0) & (local < n_local)
-        # [T, n_local + 1]: column n_local collects the other ranks' experts, then is dropped
-        dense = torch.zeros(T, n_local + 1, dtype=x.dtype, device=x.device)
-        dense.scatter_add_(1, torch.where(owned, local, n_local), weights)
-        gate, up = F.linear(x, self.w13_dense).view(T, n_local, 2, -1).unbind(2)
-        act = F.silu(gate) * up * dense[:, :n_local, None]  # [T, E, I]
-        return F.linear(act.reshape(T, -1), self.w2_dense)
+def routed_grouped(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    first_expert: int,
+) -> torch.Tensor:
+    """The routed experts over many tokens: the (token, expert) assignments sorted by
+    expert, one matmul pair per active local expert (`w13`/`w2`: experts first_expert ..
+    first_expert + E_local - 1; assignments to other ranks' experts are dropped)."""
+    top_k, n_local = ids.shape[1], w13.shape[0]
+    flat_ids = ids.view(-1) - first_expert  # local expert ids; another rank's -> n_local
+    flat_ids = flat_ids.masked_fill((flat_ids < 0) | (flat_ids >= n_local), n_local)
+    order = flat_ids.argsort()  # assignments grouped by expert
+    counts = torch.bincount(flat_ids, minlength=n_local + 1).tolist()[:n_local]
+    order = order[: sum(counts)]  # drop the assignments to other ranks' experts
+    token_of = order // top_k  # [assignments] source token of each sorted assignment
+    xs = x[token_of]
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            ys[start : start + n] = swiglu(xs[start : start + n], w13[e], w2[e])
+            start += n
+    ys = ys * weights.view(-1)[order].unsqueeze(1)
+    return torch.zeros_like(x).index_add_(0, token_of, ys)
+
+
+@torch.library.custom_op("xllm::routed_grouped", mutates_args=())
+def routed_grouped_op(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    first_expert: int,
+) -> torch.Tensor:
+    """`routed_grouped` as an operator the compiler does not look into: in graph mode its
+    host syncs (the per-expert counts) and data-dependent loop stay inside one op of the
+    graph, which runs it as eager code does. Measured against a static dense form (every
+    expert over every token), see docs/graph_mode.md."""
+    return routed_grouped(x, weights, ids, w13, w2, first_expert)
+
+
+@routed_grouped_op.register_fake
+def _(x, weights, ids, w13, w2, first_expert):
+    return torch.empty_like(x)
