@@ -71,6 +71,25 @@ def compare(prompts, params, batch: int, k: int, tolerance: float) -> dict:
         ),
         default=0.0,
     )
+    # of the prompts whose tokens are identical, and per differing prompt the first token
+    # whose logprob is off by more than the tolerance (a flipped routing tie shows there,
+    # a few tokens before the outputs part)
+    max_diff_matching = max(
+        (
+            abs(x - y)
+            for i, (got, want) in enumerate(zip(lp, eager_lp))
+            if i not in first
+            for x, y in zip(got, want)
+        ),
+        default=0.0,
+    )
+    first_off = {
+        i: next(
+            (j for j, (x, y) in enumerate(zip(lp[i], eager_lp[i])) if abs(x - y) > tolerance),
+            None,
+        )
+        for i in differ
+    }
     row = {
         "batch": batch,
         "k": k,
@@ -78,6 +97,8 @@ def compare(prompts, params, batch: int, k: int, tolerance: float) -> dict:
         "tokens_compared": sum(len(t) for t in eager_tokens),
         "prompts_differing": differ,
         "first_differing_token": first,
+        "first_logprob_off_by_more_than_tolerance": first_off,
+        "max_logprob_diff_identical_prompts": max_diff_matching,
         "max_logprob_diff": max_diff,
         "graph_steps": graph_steps,
         "graph_start_s": start_s,
