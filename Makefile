@@ -6,7 +6,7 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup test serve lint clean proto mutation
+.PHONY: setup test test-gpu serve lint clean proto mutation
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(VPY) -m pytest tests
+
+# The tests marked `gpu` (a CUDA device); without one they are skipped and this says so.
+test-gpu: setup
+	@$(VPY) -c "import torch; torch.cuda.is_available() or print('make test-gpu: no CUDA device here, every GPU test is skipped')"
+	$(VPY) -m pytest -m gpu -rs tests
 
 serve: setup
 	$(VPY) -m xllm_py --num_speculative_tokens=1 $(ARGS)

@@ -314,6 +314,7 @@ def test_unsupported_scoring_is_rejected():
         (lambda: SchedulerConfig(max_seqs_per_batch=0), "max_seqs_per_batch"),
         (lambda: SchedulerConfig(max_model_len=-1), "max_model_len"),
         (lambda: DeviceConfig(device="tpu"), "device"),
+        (lambda: DeviceConfig(device="cuda:x"), "device"),
         (lambda: DeviceConfig(dtype="int8"), "dtype"),
     ],
 )
@@ -389,3 +390,11 @@ def test_plain_rope_inverse_frequencies():
     got = inverse_frequencies(RopeConfig(theta=10000.0), 64).double()
     want = torch.tensor([10000.0 ** (-2 * i / 64) for i in range(32)], dtype=torch.float64)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(
+    "given, meant", [("cuda", "cuda:0"), ("npu", "npu:0"), ("cuda:1", "cuda:1"), ("cpu", "cpu")]
+)
+def test_accelerator_without_index_means_its_first_visible_device(given, meant):
+    # torch.cuda.set_device("cuda") raises; each process sees its devices from 0
+    assert DeviceConfig(device=given).device == meant

@@ -357,9 +357,11 @@ class DeviceConfig:
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
 
     def __post_init__(self) -> None:
-        kind = self.device.split(":")[0]
-        if kind not in ("cpu", "cuda", "npu"):
+        kind, _, index = self.device.partition(":")
+        if kind not in ("cpu", "cuda", "npu") or (index and not index.isdigit()):
             raise ValueError(f"device={self.device!r} must be cpu, cuda[:N] or npu[:N]")
+        if kind != "cpu" and not index:  # "cuda": the first visible device, named explicitly
+            object.__setattr__(self, "device", f"{kind}:0")  # (set_device needs an index)
         sizes = tuple(self.graph_batch_sizes)
         if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
             raise ValueError(

@@ -175,6 +175,7 @@ def read_draft_config(path: str | Path, target: ModelConfig) -> int:
 def check_shared_copy(name: str, stored: torch.Tensor, target_tensor: torch.Tensor) -> None:
     """The draft's copy must equal the target's tensor, compared at the coarser of the two
     dtypes (an exported bf16 copy of a float32 target compares as bf16)."""
+    stored = stored.to(target_tensor.device)  # read on the CPU; the target may be on a GPU
     if tuple(stored.shape) != tuple(target_tensor.shape):
         raise ValueError(
             f"draft tensor {name!r} has shape {tuple(stored.shape)} but the target's copy has "

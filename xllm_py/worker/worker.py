@@ -247,6 +247,10 @@ class Worker:
                 graphs.warm_up()
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        # The current CUDA device is per thread, and steps arrive on the engine thread or
+        # a gRPC pool thread, not the one that built this worker.
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
         if self.graph_mode and not self.runner.graphs.warm:
             self.warm_up_graphs()
         return self.runner.execute(sched)
