@@ -136,6 +136,9 @@ def test_cli_refuses_bad_cluster_flags():
 
     assert "--node_rank=2: must be in 0..nnodes-1" in err("--nnodes=2", "--node_rank=2")
     assert "--master_node_addr" in err("--nnodes=2", "--dp_size=2")
+    assert "--process_group_timeout=0.0: must be > 0" in err(
+        "--nnodes=2", "--master_node_addr=127.0.0.1:1", "--process_group_timeout=0"
+    )
     assert "not divisible by --dp_size=2" in err(
         "--nnodes=3", "--dp_size=2", "--master_node_addr=127.0.0.1:1"
     )

@@ -211,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=g + "deadline of one engine step on a remote worker",
     )
     flag(
+        "process_group_timeout",
+        type=float,
+        default=600.0,
+        help=g + "torch.distributed timeout, the same on every rank: joining the process "
+        "groups, and a collective waiting for a rank (graph compilation included)",
+    )
+    flag(
         "log_level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -268,6 +275,7 @@ def cluster_options(a: argparse.Namespace):
         a.cluster_timeout,
         a.heartbeat_timeout,
         a.step_timeout,
+        a.process_group_timeout,
     )
 
 

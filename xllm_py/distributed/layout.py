@@ -78,6 +78,7 @@ class ClusterOptions:
     cluster_timeout: float = 120.0  # master: wait for registrations; worker: for the master
     heartbeat_timeout: float = 5.0  # silence after which a worker (or the master) is dead
     step_timeout: float = 300.0  # deadline of one ExecuteStep
+    process_group_timeout: float = 600.0  # torch.distributed, every rank alike
 
     def __post_init__(self) -> None:
         if not 0 <= self.node_rank < self.layout.nnodes:
@@ -88,7 +89,12 @@ class ClusterOptions:
         host, _, port = self.master_node_addr.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"--master_node_addr={self.master_node_addr!r}: expected host:port")
-        for name in ("cluster_timeout", "heartbeat_timeout", "step_timeout"):
+        for name in (
+            "cluster_timeout",
+            "heartbeat_timeout",
+            "step_timeout",
+            "process_group_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name}={getattr(self, name)}: must be > 0 (seconds)")
 

@@ -69,7 +69,7 @@ class Cluster:
         return MasterReplicaExecutor(
             self.config,
             lambda: join_process_groups(
-                layout, 0, self.config.device.device, init_method, self.opts.cluster_timeout
+                layout, 0, self.config.device.device, init_method, self.opts.process_group_timeout
             ),
             self._replica_executor(0, first_rank=1),
         )

@@ -43,8 +43,9 @@ REGISTER_RETRY_S = 0.5
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, process_group_timeout: float = 600.0) -> None:
         self.config = config
+        self.process_group_timeout = process_group_timeout  # --process_group_timeout
         self.worker = None
         self.steps = 0
         self.last_contact = time.monotonic()
@@ -64,7 +65,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         if request.init_method:  # tensor/expert parallel: meet every rank of the cluster
             layout = ClusterLayout(request.world_size, request.dp_size, request.ep_size)
             parallel = join_process_groups(
-                layout, request.rank, self.config.device.device, request.init_method, 600.0
+                layout,
+                request.rank,
+                self.config.device.device,
+                request.init_method,
+                self.process_group_timeout,
             )
 
         logger.info(
@@ -173,7 +178,7 @@ def run_worker_node(opts: ClusterOptions, config: EngineConfig, host: str, port:
     process exit code (0 clean, 1 failure, 2 refused at registration)."""
     if config.device.device != "cpu":
         backend_for(config.device.device)  # fail early if e.g. torch_npu is missing
-    service = WorkerService(config)
+    service = WorkerService(config, opts.process_group_timeout)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
     pb_grpc.add_WorkerServicer_to_server(service, server)
     address = f"{host}:{port}"
