@@ -192,16 +192,8 @@ class Worker:
         )
         if self.graph_mode:
             k = self.config.spec.num_speculative_tokens
-            self.runner.graphs = GraphRunner(
-                self.model,
-                caches,
-                self.config.cache.block_size,
-                self.config.max_blocks_per_seq,
-                scratch_block=num_blocks,
-                batch_sizes=self.config.device.graph_batch_sizes,
-                q_lens=(1, 1 + k) if k else (1,),
-                device=self.device,
-                dtype=self.dtype,
+            self.runner.graphs = self._graph_runner(
+                self.model, caches, num_blocks, (1, 1 + k) if k else (1,)
             )
         if self.draft is not None:
             self.runner.proposer = MTPProposer(
@@ -216,16 +208,11 @@ class Worker:
             if self.graph_mode:
                 proposer = self.runner.proposer
                 for layer, q_lens in proposer.graph_q_lens().items():
-                    proposer.graphs[layer] = GraphRunner(
+                    proposer.graphs[layer] = self._graph_runner(
                         self.draft,
                         caches,
-                        self.config.cache.block_size,
-                        self.config.max_blocks_per_seq,
-                        scratch_block=num_blocks,
-                        batch_sizes=self.config.device.graph_batch_sizes,
-                        q_lens=q_lens,
-                        device=self.device,
-                        dtype=self.dtype,
+                        num_blocks,
+                        q_lens,
                         fn=_draft_pass(self.draft, layer),
                         extras=((self.config.model.hidden_size,),),
                         name=f"MTP layer {layer}",
@@ -234,6 +221,22 @@ class Worker:
             self.warm_up_graphs()
         elif self.graph_mode:
             logger.info("graph mode: the replica's ranks compile together at its first step")
+
+    def _graph_runner(self, model, caches, num_blocks: int, q_lens, **kw) -> GraphRunner:
+        """Graphs of `model`'s passes over this worker's cache; the scratch block for
+        padding rows is the one past the managed `num_blocks`."""
+        return GraphRunner(
+            model,
+            caches,
+            self.config.cache.block_size,
+            self.config.max_blocks_per_seq,
+            scratch_block=num_blocks,
+            batch_sizes=self.config.device.graph_batch_sizes,
+            q_lens=q_lens,
+            device=self.device,
+            dtype=self.dtype,
+            **kw,
+        )
 
     def warm_up_graphs(self) -> None:
         """Compile every graph now. The ranks of a tensor-parallel replica must do this
