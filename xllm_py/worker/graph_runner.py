@@ -80,7 +80,6 @@ class GraphRunner:
         model: torch.nn.Module,
         kv_caches: list[torch.Tensor],
         block_size: int,
-        max_blocks_per_seq: int,
         scratch_block: int,
         batch_sizes: tuple[int, ...],
         q_lens: tuple[int, ...],
@@ -94,7 +93,6 @@ class GraphRunner:
         self.name = name
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.width = max_blocks_per_seq
         self.scratch_block = scratch_block
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.q_lens = tuple(q_lens)
@@ -142,8 +140,8 @@ class GraphRunner:
         layouts,
         extras: list[torch.Tensor] = (),
     ) -> torch.Tensor:
-        """Output rows [T, ...] of the pass's T = len(layouts) * Q rows; `extras` are the
-        extra row inputs, [T, ...] each."""
+        """Output rows [T, ...] of the pass's T real rows (the requests' q_len summed, in
+        the order of `input_ids`); `extras` are the extra row inputs, [T, ...] each."""
         self.steps[key] = self.steps.get(key, 0) + 1
         return self._run(self._bucket(*key), input_ids, positions, layouts, extras)
 

@@ -229,7 +229,6 @@ class Worker:
             model,
             caches,
             self.config.cache.block_size,
-            self.config.max_blocks_per_seq,
             scratch_block=num_blocks,
             batch_sizes=self.config.device.graph_batch_sizes,
             q_lens=q_lens,
