@@ -1,0 +1,156 @@
+"""The GPU suite (`make test-gpu`, `pytest -m gpu`): the CPU suite's main promises, run on a
+CUDA device. Without one every test here is skipped with the reason.
+
+- The model on CUDA against HF transformers on the tiny random configs (HF runs on the
+  CPU, in float32, as in test_hf_reference.py): float32 to the CPU suite's 1e-4;
+  bfloat16 to a documented tolerance (below).
+- Greedy MTP is lossless on CUDA: k = 1 and 3 at batch 1, 8 and 64 give plain decoding's
+  tokens on held-out ShareGPT prompts (bundled model, float32).
+- The REST daemon on a GPU with MTP on serves what the offline API gives.
+- A 1-GPU "cluster" through scripts/launch_cluster.sh serves a completion.
+Graph mode on CUDA is in test_graph_mode.py (also marked `gpu`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.hf_reference import (
+    CHECKPOINT_SEEDS,
+    MAX_NEW_TOKENS,
+    hf_greedy_detailed,
+    make_hf_checkpoint,
+    reference_prompts,
+)
+from tests.server_utils import Server, free_port, free_port_range
+from xllm_py import LLM, SamplingParams
+from xllm_py.sharegpt import held_out_user_turns
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+DEVICE = "cuda:0"
+HF_CONFIG = "noq_yarn_mscale_grouped"  # no q-LoRA, YaRN, grouped routing
+# bfloat16 keeps 8 bits of mantissa: logits of size ~10 carry errors of ~0.05, so only the
+# first generated token (before any divergence compounds) is compared, to 0.1 in logprob.
+BF16_FIRST_LOGPROB_ATOL = 0.1
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "launch_cluster.sh"
+
+
+@pytest.fixture(scope="module")
+def hf_case(tmp_path_factory):
+    path = make_hf_checkpoint(
+        HF_CONFIG, tmp_path_factory.mktemp("gpu_hf"), seed=CHECKPOINT_SEEDS[HF_CONFIG]
+    )
+    prompts = reference_prompts(HF_CONFIG)
+    return path, prompts, hf_greedy_detailed(path, prompts, MAX_NEW_TOKENS)["results"]
+
+
+def engine_greedy(path, prompts, dtype):
+    llm = LLM(model=str(path), device=DEVICE, dtype=dtype, block_size=16)
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    return [(o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)]) for o in outs]
+
+
+def test_float32_on_cuda_matches_hf(hf_case):
+    path, prompts, want = hf_case
+    for i, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(
+        zip(engine_greedy(path, prompts, "float32"), want)
+    ):
+        assert tokens == ref_tokens, f"prompt {i}"
+        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) <= 1e-4, f"prompt {i}"
+
+
+def test_bfloat16_on_cuda_matches_hf_first_token(hf_case):
+    path, prompts, want = hf_case
+    for i, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(
+        zip(engine_greedy(path, prompts, "bfloat16"), want)
+    ):
+        assert tokens[0] == ref_tokens[0], f"prompt {i}"
+        assert abs(logprobs[0] - ref_logprobs[0]) <= BF16_FIRST_LOGPROB_ATOL, f"prompt {i}"
+
+
+@pytest.fixture(scope="module")
+def sharegpt_prompts():
+    tok = LLM(dtype="float32").get_tokenizer()
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}])
+        for t in held_out_user_turns(64, 20, 600)
+    ]
+
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def plain_on_cuda(sharegpt_prompts):
+    llm = LLM(device=DEVICE, dtype="float32", block_size=16, max_seqs_per_batch=64)
+    return [o.outputs[0].token_ids for o in llm.generate(sharegpt_prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_on_cuda_is_lossless(sharegpt_prompts, plain_on_cuda, batch, k):
+    llm = LLM(
+        device=DEVICE,
+        dtype="float32",
+        block_size=16,
+        max_seqs_per_batch=batch,
+        num_speculative_tokens=k,
+    )
+    tokens = [o.outputs[0].token_ids for o in llm.generate(sharegpt_prompts, GREEDY)]
+    differ = [i for i, (a, b) in enumerate(zip(tokens, plain_on_cuda)) if a != b]
+    assert not differ, f"{len(differ)} of {len(tokens)} prompts differ, e.g. #{differ[0]}"
+    assert llm.get_metrics().accepted_tokens > 0
+
+
+def test_rest_daemon_with_mtp_on_cuda(sharegpt_prompts):
+    offline = LLM(device=DEVICE, dtype="float32", num_speculative_tokens=1)
+    want = [o.outputs[0].text for o in offline.generate(sharegpt_prompts[:4], GREEDY)]
+    del offline
+    server = Server(
+        f"--devices={DEVICE}", "--dtype=float32", "--num_speculative_tokens=1", startup_timeout=300
+    )
+    try:
+        for prompt, text in zip(sharegpt_prompts[:4], want):
+            r = httpx.post(
+                server.url + "/v1/completions",
+                json={"prompt": prompt, "max_tokens": 20, "temperature": 0},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == text
+    finally:
+        assert server.stop() == 0
+
+
+def test_one_gpu_cluster_through_the_launch_script(tmp_path):
+    port = free_port_range(1)
+    env = os.environ | {
+        "NNODES": "1",
+        "DEVICE_TYPE": "cuda",
+        "LOG_DIR": str(tmp_path / "log"),
+        "START_PORT": str(port),
+        "MASTER_NODE_ADDR": f"127.0.0.1:{free_port()}",
+        "HEALTH_TIMEOUT": "600",
+    }
+    try:
+        up = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True)
+        assert up.returncode == 0, up.stdout + up.stderr
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"prompt": "Hello", "max_tokens": 8, "ignore_eos": True},
+            timeout=120,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        down = subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True)
+    assert down.returncode == 0
