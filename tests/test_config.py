@@ -398,3 +398,24 @@ def test_plain_rope_inverse_frequencies():
 def test_accelerator_without_index_means_its_first_visible_device(given, meant):
     # torch.cuda.set_device("cuda") raises; each process sees its devices from 0
     assert DeviceConfig(device=given).device == meant
+
+
+def test_memory_split_follows_vllms_meaning_of_max_memory_utilization():
+    from xllm_py.worker.worker import memory_split
+
+    gib = 2**30
+    # an 80 GiB device at 0.9: 72 GiB for the process, 30 GiB of it taken by the weights
+    assert memory_split(80 * gib, 30 * gib, 0.9) == 42 * gib
+    assert memory_split(80 * gib, 30 * gib, 0.5) == 10 * gib
+    # weights that do not leave room for a cache: an error naming the flag and the figures
+    with pytest.raises(ValueError, match=r"--max_memory_utilization=0.4: .*32.0 GiB.*40.0 GiB"):
+        memory_split(80 * gib, 40 * gib, 0.4)
+
+
+def test_cpu_kv_budget_is_a_fraction_of_the_ram_still_available():
+    from xllm_py.worker.worker import available_memory, kv_cache_budget
+
+    cpu = torch.device("cpu")
+    free = available_memory(cpu)
+    budget = kv_cache_budget(cpu, 0.5, not_loaded=free // 2)
+    assert abs(budget - free // 4) < free // 20  # RAM moves a little between the two reads

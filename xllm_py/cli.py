@@ -132,7 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
         "max_memory_utilization",
         type=float,
         default=0.9,
-        help="fraction of device memory for weights + KV cache (when --max_cache_size is 0)",
+        help="on a GPU/NPU: the fraction of the device's total memory this process may use; "
+        "what is in use after loading the weights is taken off and the rest holds the KV cache. "
+        "On CPU: the fraction of the RAM still available after loading that the KV cache may "
+        "take. Ignored when --max_cache_size is set",
     )
     flag(
         "max_cache_size",

@@ -134,7 +134,7 @@ def estimate_capacity(config: EngineConfig, tp_size: int = 1) -> int:
     """KV blocks this node can hold once its shard is loaded, before loading it: the rule of
     Worker.determine_num_blocks with the weights' size read from the checkpoint headers.
     InitModel checks the real figure after loading."""
-    from xllm_py.worker.worker import available_memory
+    from xllm_py.worker.worker import kv_cache_budget
 
     mcfg, cache = config.model, config.cache
     k = config.spec.num_speculative_tokens
@@ -145,8 +145,7 @@ def estimate_capacity(config: EngineConfig, tp_size: int = 1) -> int:
         return cache.max_cache_size // per_block
     weights = checkpoint_numel(mcfg.path) * elem // tp_size
     device = torch.device(config.device.device)
-    budget = int((available_memory(device) - weights) * cache.max_memory_utilization)
-    num = max(budget, 0) // per_block
+    num = kv_cache_budget(device, cache.max_memory_utilization, not_loaded=weights) // per_block
     if device.type == "cpu":
         num = min(num, config.scheduler.max_seqs_per_batch * config.max_blocks_per_seq)
     return int(num)

@@ -101,11 +101,40 @@ def load_draft_model(
     return draft.eval()
 
 
+def memory_split(total: int, in_use: int, utilization: float) -> int:
+    """KV cache bytes under vLLM's meaning of --max_memory_utilization: this process may use
+    `utilization` of the device's `total` memory, and `in_use` bytes of that are taken
+    (weights, buffers, the runtime's context)."""
+    allowed = int(total * utilization)
+    if allowed <= in_use:
+        raise ValueError(
+            f"--max_memory_utilization={utilization:g}: {utilization:g} x {total / 2**30:.1f} "
+            f"GiB = {allowed / 2**30:.1f} GiB, but {in_use / 2**30:.1f} GiB are in use after "
+            "loading; nothing is left for the KV cache (raise it, or shard over more devices)"
+        )
+    return allowed - in_use
+
+
+def kv_cache_budget(device: torch.device, utilization: float, not_loaded: int = 0) -> int:
+    """Bytes for the KV cache. On an accelerator, `memory_split` of its total memory, with
+    what is in use on it now plus `not_loaded` (weights still to load, for an estimate made
+    before loading) taken off. On CPU, `utilization` of the RAM still available after them
+    (it is shared with the host)."""
+    if device.type == "cpu":
+        return max(int((available_memory(device) - not_loaded) * utilization), 0)
+    free, total = device_memory(device)
+    return memory_split(total, total - free + not_loaded, utilization)
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a GPU or NPU."""
+    mem = torch.cuda if device.type == "cuda" else torch.npu  # type: ignore[attr-defined]
+    return mem.mem_get_info(device)
+
+
 def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "npu":
-        return torch.npu.mem_get_info(device)[0]  # type: ignore[attr-defined]
+    if device.type != "cpu":
+        return device_memory(device)[0]
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
@@ -142,14 +171,25 @@ class Worker:
         return self.num_cache_layers * bs * mcfg.kv_cache_dim * elem
 
     def determine_num_blocks(self) -> int:
-        """Blocks that fit in --max_cache_size bytes, or in --max_memory_utilization of the
-        memory left after loading the model. On CPU, never more than running requests can
-        use at once (max_seqs_per_batch full-length sequences): RAM is shared with the host."""
+        """Blocks that fit in --max_cache_size bytes, or in what --max_memory_utilization
+        leaves after loading the model (`kv_cache_budget`). On CPU, never more than running
+        requests can use at once (max_seqs_per_batch full-length sequences): RAM is shared
+        with the host."""
         cache = self.config.cache
         if cache.max_cache_size:
             budget = cache.max_cache_size
         else:
-            budget = int(available_memory(self.device) * cache.max_memory_utilization)
+            budget = kv_cache_budget(self.device, cache.max_memory_utilization)
+        if self.device.type != "cpu" and not cache.max_cache_size:
+            free, total = device_memory(self.device)
+            logger.info(
+                "memory: %.2f of %.1f GiB for this process: %.1f GiB in use after loading, "
+                "%.1f GiB for the KV cache",
+                cache.max_memory_utilization,
+                total / 2**30,
+                (total - free) / 2**30,
+                budget / 2**30,
+            )
         num = budget // self.bytes_per_block
         if self.device.type == "cpu" and not cache.max_cache_size:
             num = min(
