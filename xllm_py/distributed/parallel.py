@@ -77,19 +77,16 @@ class ParallelContext:
             return x
         if self.group is None:
             raise RuntimeError("ParallelContext without a process group cannot all-reduce")
+        # gloo has no bf16/fp16 sum: reduce in float32 and cast back.
+        low = x.dtype in (torch.bfloat16, torch.float16) and self.backend == "gloo"
+        y = x.float() if low else x
         if torch.compiler.is_compiling():
             # Graph mode (worker/graph_runner.py): the functional form, which a compiled
-            # graph holds as one of its ops. Low-precision sums in float32, as below.
-            low = x.dtype in (torch.bfloat16, torch.float16) and self.backend == "gloo"
-            y = fc.all_reduce(x.float() if low else x, "sum", self.group)
-            return y.to(x.dtype) if low else y
-        # gloo has no bf16/fp16 sum: reduce in float32 and cast back.
-        if x.dtype in (torch.bfloat16, torch.float16) and self.backend == "gloo":
-            y = x.float()
+            # graph holds as one of its ops.
+            y = fc.all_reduce(y, "sum", self.group)
+        else:
             dist.all_reduce(y, group=self.group)
-            return y.to(x.dtype)
-        dist.all_reduce(x, group=self.group)
-        return x
+        return y.to(x.dtype) if low else y
 
     @property
     def backend(self) -> str | None:

@@ -43,7 +43,7 @@ REGISTER_RETRY_S = 0.5
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    def __init__(self, config: EngineConfig, process_group_timeout: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, process_group_timeout: float) -> None:
         self.config = config
         self.process_group_timeout = process_group_timeout  # --process_group_timeout
         self.worker = None

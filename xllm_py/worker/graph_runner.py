@@ -14,7 +14,7 @@ that holds it, the smallest Q that holds its longest request) and runs through t
 compiled for that (B, Q). Under compilation RoPE takes a real-valued table and the MoE,
 for few tokens, a static form that gathers the chosen experts' weights
 (`MoE._routed_gathered`); for more it runs the eager grouped form as one opaque op
-(`moe.routed_grouped_op`), the one place a graph reads values back to the host (the
+(`moe.routed_grouped`), the one place a graph reads values back to the host (the
 per-expert counts): on CPU that measured faster than a static dense form (every
 expert over every token), which a CUDA-graph capture would need instead.
 
@@ -71,13 +71,12 @@ class _Bucket:
 
 class GraphRunner:
     """Runs passes (see the module docstring) of `fn(input_ids, positions, *extras)`
-    through compiled, fixed-shape graphs. `model` is the module `fn` runs (default
-    `model.forward`); `extras` gives each extra row input's trailing shape, for the
-    warm-up's dummy step; `name` labels the progress bar and log line."""
+    through compiled, fixed-shape graphs. `extras` gives each extra row input's trailing
+    shape, for the warm-up's dummy step; `name` labels the progress bar and log line."""
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        fn: Callable[..., torch.Tensor],
         kv_caches: list[torch.Tensor],
         block_size: int,
         scratch_block: int,
@@ -85,7 +84,6 @@ class GraphRunner:
         q_lens: tuple[int, ...],
         device: torch.device,
         dtype: torch.dtype,
-        fn: Callable[..., torch.Tensor] | None = None,
         extras: tuple[tuple[int, ...], ...] = (),
         name: str = "target",
     ) -> None:
@@ -101,9 +99,7 @@ class GraphRunner:
         # One compiled entry per bucket (per engine in this process): beyond the limit,
         # dynamo would refuse to compile (an error under fullgraph=True).
         torch._dynamo.config.cache_size_limit += len(self.batch_sizes) * len(self.q_lens)
-        self._compiled = torch.compile(
-            fn or model.forward, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS
-        )
+        self._compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.steps: dict[tuple[int, int], int] = {}  # steps run per bucket (after warm-up)
         self.warm = False  # every bucket compiled

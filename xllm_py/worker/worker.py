@@ -233,7 +233,7 @@ class Worker:
         if self.graph_mode:
             k = self.config.spec.num_speculative_tokens
             self.runner.graphs = self._graph_runner(
-                self.model, caches, num_blocks, (1, 1 + k) if k else (1,)
+                self.model.forward, caches, num_blocks, (1, 1 + k) if k else (1,)
             )
         if self.draft is not None:
             self.runner.proposer = MTPProposer(
@@ -249,11 +249,10 @@ class Worker:
                 proposer = self.runner.proposer
                 for layer, q_lens in proposer.graph_q_lens().items():
                     proposer.graphs[layer] = self._graph_runner(
-                        self.draft,
+                        _draft_pass(self.draft, layer),
                         caches,
                         num_blocks,
                         q_lens,
-                        fn=_draft_pass(self.draft, layer),
                         extras=((self.config.model.hidden_size,),),
                         name=f"MTP layer {layer}",
                     )
@@ -262,11 +261,11 @@ class Worker:
         elif self.graph_mode:
             logger.info("graph mode: the replica's ranks compile together at its first step")
 
-    def _graph_runner(self, model, caches, num_blocks: int, q_lens, **kw) -> GraphRunner:
-        """Graphs of `model`'s passes over this worker's cache; the scratch block for
-        padding rows is the one past the managed `num_blocks`."""
+    def _graph_runner(self, fn, caches, num_blocks: int, q_lens, **kw) -> GraphRunner:
+        """Graphs of `fn`'s passes over this worker's cache; the scratch block for padding
+        rows is the one past the managed `num_blocks`."""
         return GraphRunner(
-            model,
+            fn,
             caches,
             self.config.cache.block_size,
             scratch_block=num_blocks,

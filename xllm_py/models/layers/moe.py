@@ -34,7 +34,7 @@ from xllm_py.models.layers.mlp import MLP, swiglu
 # Up to this many (token, expert) assignments, experts run pair by pair (see _routed_small).
 SMALL_BATCH_ASSIGNMENTS = 8
 # In graph mode, up to this many assignments gather the chosen experts' weights; more run
-# the grouped form as one opaque op (see _routed_gathered, routed_grouped_op).
+# the grouped form as one opaque op (see _routed_gathered, routed_grouped).
 GRAPH_GATHER_ASSIGNMENTS = 16
 
 
@@ -135,9 +135,7 @@ class MoE(nn.Module):
         weights = weights.to(x.dtype)
         if torch.compiler.is_compiling() and ids.numel() <= GRAPH_GATHER_ASSIGNMENTS:
             return self._routed_gathered(x, weights, ids)  # graph mode, few tokens
-        if torch.compiler.is_compiling():  # graph mode: the grouped form as one opaque op
-            return routed_grouped_op(x, weights, ids, self.w13, self.w2, self.first_expert)
-        if ids.numel() <= SMALL_BATCH_ASSIGNMENTS:
+        if not torch.compiler.is_compiling() and ids.numel() <= SMALL_BATCH_ASSIGNMENTS:
             return self._routed_small(x, weights, ids)
         return routed_grouped(x, weights, ids, self.w13, self.w2, self.first_expert)
 
@@ -174,6 +172,7 @@ class MoE(nn.Module):
         return y.sum(dim=1)
 
 
+@torch.library.custom_op("xllm::routed_grouped", mutates_args=())
 def routed_grouped(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -184,7 +183,13 @@ def routed_grouped(
 ) -> torch.Tensor:
     """The routed experts over many tokens: the (token, expert) assignments sorted by
     expert, one matmul pair per active local expert (`w13`/`w2`: experts first_expert ..
-    first_expert + E_local - 1; assignments to other ranks' experts are dropped)."""
+    first_expert + E_local - 1; assignments to other ranks' experts are dropped).
+
+    An operator the compiler does not look into: in graph mode its host syncs (the
+    per-expert counts) and data-dependent loop stay inside one op of the graph, which
+    runs it as eager code does (measured against a static dense form, every expert over
+    every token: docs/graph_mode.md). Called as an op in eager code too; the dispatch
+    costs nothing measurable next to the experts."""
     top_k, n_local = ids.shape[1], w13.shape[0]
     flat_ids = ids.view(-1) - first_expert  # local expert ids; another rank's -> n_local
     flat_ids = flat_ids.masked_fill((flat_ids < 0) | (flat_ids >= n_local), n_local)
@@ -203,22 +208,6 @@ def routed_grouped(
     return torch.zeros_like(x).index_add_(0, token_of, ys)
 
 
-@torch.library.custom_op("xllm::routed_grouped", mutates_args=())
-def routed_grouped_op(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    first_expert: int,
-) -> torch.Tensor:
-    """`routed_grouped` as an operator the compiler does not look into: in graph mode its
-    host syncs (the per-expert counts) and data-dependent loop stay inside one op of the
-    graph, which runs it as eager code does. Measured against a static dense form (every
-    expert over every token), see docs/graph_mode.md."""
-    return routed_grouped(x, weights, ids, w13, w2, first_expert)
-
-
-@routed_grouped_op.register_fake
+@routed_grouped.register_fake
 def _(x, weights, ids, w13, w2, first_expert):
     return torch.empty_like(x)
