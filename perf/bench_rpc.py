@@ -87,9 +87,10 @@ def control_overhead(n: int) -> dict:
     )  # fmt: skip
     try:
         reg = coordinator.wait_all(120)[1]
-        client = WorkerClient(1, reg.address, reg.capacity)
+        client = WorkerClient(1, reg.address)
         init = pb.InitModelRequest(world_size=2, dp_size=2, tp_size=1, ep_size=1, replica=1)
         ex = GrpcExecutor([client], init, 60)
+        ex.determine_num_blocks()
         ex.init_cache(64)
         decode = SchedulerOutput(
             cached_requests=[CachedRequestData(f"r{i}", [5], [], 100) for i in range(32)],

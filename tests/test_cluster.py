@@ -394,3 +394,49 @@ def test_idle_node_killed_the_other_exits_nonzero(victim):
             noticed = time.monotonic()
             assert "no word from the master" in c.worker.output()
         assert noticed - killed <= HEARTBEAT_TIMEOUT_S + DETECTION_MARGIN_S
+
+
+def test_rank_that_stops_participating_fails_the_cluster_within_the_heartbeat_timeout():
+    """Tensor parallel: the master's own rank waits in an all-reduce for the worker. The
+    worker is frozen (SIGSTOP) mid-stream, so that collective never completes; with a
+    --process_group_timeout of 300 s, every client still gets its error within
+    --heartbeat_timeout (+ margin): the master gives up on the hung step and aborts its
+    process groups, and exits 1."""
+    flags = (
+        "--dtype=float32",
+        f"--heartbeat_timeout={HEARTBEAT_TIMEOUT_S:g}",
+        "--process_group_timeout=300",
+    )
+    with Cluster(*flags, layout=LAYOUTS["tp"]) as c:
+        c.wait_healthy()
+        started = concurrent.futures.Future()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            first = lambda: started.done() or started.set_result(None)  # noqa: E731
+            futs = [pool.submit(stream_until_error, c.url, p, first) for p in PROMPTS[:4]]
+            started.result(60)
+            frozen = time.monotonic()
+            c.worker.proc.send_signal(signal.SIGSTOP)
+            concurrent.futures.wait(futs, timeout=120)  # guards against a hang only
+            elapsed = time.monotonic() - frozen
+            results = [f.result(0) for f in futs]
+        assert elapsed <= HEARTBEAT_TIMEOUT_S + DETECTION_MARGIN_S, elapsed
+        for events, done in results:
+            assert "error" in events[-1], events[-1]
+            assert done
+        assert "aborting the process groups" in c.master.output()
+        assert c.master.wait(60) == 1
+
+
+def test_replica_allocates_the_smallest_capacity_its_ranks_measured():
+    """Two-phase start-up: each rank reports the KV blocks that fit after loading (here the
+    worker is given a smaller --max_cache_size than the master), the replica allocates the
+    minimum on both ranks and serves."""
+    per_block = 9 * 128 * 96 * 4  # layers (8 target + 1 MTP) x block_size x kv dim x fp32
+    flags = ("--dtype=float32", "--num_speculative_tokens=1", f"--max_cache_size={40 * per_block}")
+    worker = (f"--max_cache_size={25 * per_block}",)
+    with Cluster(*flags, worker_flags=worker, layout=LAYOUTS["tp"]) as c:
+        c.wait_healthy()
+        assert complete(c.url, PROMPTS[0])
+        assert "25 KV blocks fit after loading" in c.master.output()  # the worker's report
+        for node in (c.master, c.worker):
+            assert "KV cache: 25 blocks" in node.output(), node.output()

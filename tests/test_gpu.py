@@ -154,3 +154,17 @@ def test_one_gpu_cluster_through_the_launch_script(tmp_path):
     finally:
         down = subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True)
     assert down.returncode == 0
+
+
+def test_kv_cache_sized_after_profiling_the_largest_step():
+    """--max_memory_utilization on CUDA: weights, the profiled activation peak of the
+    largest step and the KV cache together fit in that fraction of the device's memory."""
+    llm = LLM(device=DEVICE, dtype="float32", max_memory_utilization=0.5)
+    worker = llm.engine.core.executor.worker
+    peak = worker.profile_activations()
+    assert peak > 0
+    free, total = torch.cuda.mem_get_info(DEVICE)
+    cache = llm.engine.core.blocks.num_blocks * worker.bytes_per_block
+    # in use now includes the cache; 64 MiB for the CUDA context's and allocator's slack
+    assert total - free + peak <= 0.5 * total + 2**26
+    assert cache > 0

@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.9,
         help="on a GPU/NPU: the fraction of the device's total memory this process may use; "
-        "what is in use after loading the weights is taken off and the rest holds the KV cache. "
+        "what is in use after loading the weights and the activation peak of a profiling forward "
+        "of the largest step (--max_tokens_per_batch tokens) are taken off, and the rest holds "
+        "the KV cache (the split is logged at start-up). "
         "On CPU: the fraction of the RAM still available after loading that the KV cache may "
         "take. Ignored when --max_cache_size is set",
     )

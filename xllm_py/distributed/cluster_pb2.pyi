@@ -31,20 +31,18 @@ class Layout(_message.Message):
     def __init__(self, nnodes: _Optional[int] = ..., dp_size: _Optional[int] = ..., ep_size: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_rank", "device", "address", "capacity", "fingerprint", "layout")
+    __slots__ = ("node_rank", "device", "address", "fingerprint", "layout")
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     node_rank: int
     device: str
     address: str
-    capacity: int
     fingerprint: ModelFingerprint
     layout: Layout
-    def __init__(self, node_rank: _Optional[int] = ..., device: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[int] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
+    def __init__(self, node_rank: _Optional[int] = ..., device: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("world_size",)
@@ -53,7 +51,7 @@ class RegisterReply(_message.Message):
     def __init__(self, world_size: _Optional[int] = ...) -> None: ...
 
 class InitModelRequest(_message.Message):
-    __slots__ = ("rank", "world_size", "dp_size", "tp_size", "ep_size", "replica", "init_method", "num_blocks", "seed")
+    __slots__ = ("rank", "world_size", "dp_size", "tp_size", "ep_size", "replica", "init_method")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -61,8 +59,6 @@ class InitModelRequest(_message.Message):
     EP_SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     INIT_METHOD_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     dp_size: int
@@ -70,15 +66,27 @@ class InitModelRequest(_message.Message):
     ep_size: int
     replica: int
     init_method: str
-    num_blocks: int
-    seed: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., ep_size: _Optional[int] = ..., replica: _Optional[int] = ..., init_method: _Optional[str] = ..., num_blocks: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., ep_size: _Optional[int] = ..., replica: _Optional[int] = ..., init_method: _Optional[str] = ...) -> None: ...
 
 class InitModelReply(_message.Message):
-    __slots__ = ("backend",)
+    __slots__ = ("backend", "capacity")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     backend: str
-    def __init__(self, backend: _Optional[str] = ...) -> None: ...
+    capacity: int
+    def __init__(self, backend: _Optional[str] = ..., capacity: _Optional[int] = ...) -> None: ...
+
+class AllocateCacheRequest(_message.Message):
+    __slots__ = ("num_blocks", "seed")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    seed: int
+    def __init__(self, num_blocks: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class AllocateCacheReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

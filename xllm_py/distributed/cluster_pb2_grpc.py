@@ -121,6 +121,11 @@ class WorkerStub:
                 request_serializer=xllm__py_dot_distributed_dot_cluster__pb2.InitModelRequest.SerializeToString,
                 response_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.InitModelReply.FromString,
                 _registered_method=True)
+        self.AllocateCache = channel.unary_unary(
+                '/xllm.cluster.Worker/AllocateCache',
+                request_serializer=xllm__py_dot_distributed_dot_cluster__pb2.AllocateCacheRequest.SerializeToString,
+                response_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.AllocateCacheReply.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/xllm.cluster.Worker/Health',
                 request_serializer=xllm__py_dot_distributed_dot_cluster__pb2.HealthRequest.SerializeToString,
@@ -143,6 +148,12 @@ class WorkerServicer:
     """
 
     def InitModel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AllocateCache(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -173,6 +184,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.InitModel,
                     request_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.InitModelRequest.FromString,
                     response_serializer=xllm__py_dot_distributed_dot_cluster__pb2.InitModelReply.SerializeToString,
+            ),
+            'AllocateCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.AllocateCache,
+                    request_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.AllocateCacheRequest.FromString,
+                    response_serializer=xllm__py_dot_distributed_dot_cluster__pb2.AllocateCacheReply.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -218,6 +234,33 @@ class Worker:
             '/xllm.cluster.Worker/InitModel',
             xllm__py_dot_distributed_dot_cluster__pb2.InitModelRequest.SerializeToString,
             xllm__py_dot_distributed_dot_cluster__pb2.InitModelReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AllocateCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xllm.cluster.Worker/AllocateCache',
+            xllm__py_dot_distributed_dot_cluster__pb2.AllocateCacheRequest.SerializeToString,
+            xllm__py_dot_distributed_dot_cluster__pb2.AllocateCacheReply.FromString,
             options,
             channel_credentials,
             insecure,

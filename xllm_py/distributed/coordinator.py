@@ -43,11 +43,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self.on_register(request)
             self._cond.notify_all()
         logger.info(
-            "node %d registered: %s at %s, %d KV blocks",
-            request.node_rank,
-            request.device,
-            request.address,
-            request.capacity,
+            "node %d registered: %s at %s", request.node_rank, request.device, request.address
         )
         return pb.RegisterReply(world_size=self.layout.nnodes)
 
@@ -63,8 +59,6 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         diffs += fingerprint_differences(self.fingerprint, r.fingerprint)
         if diffs:
             return grpc.StatusCode.FAILED_PRECONDITION, "; ".join(diffs)
-        if r.capacity < 1:
-            return grpc.StatusCode.FAILED_PRECONDITION, "it can hold no KV cache block"
         return grpc.StatusCode.OK, ""
 
     def wait_all(self, timeout: float) -> dict[int, pb.RegisterRequest]:

@@ -164,6 +164,7 @@ def join_process_groups(
     Returns this rank's ParallelContext inside its replica."""
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
     from xllm_py.distributed.parallel import ParallelContext
@@ -174,6 +175,21 @@ def join_process_groups(
         rank=rank,
         world_size=layout.nnodes,
         timeout=timedelta(seconds=timeout_s),
+        # bound to its device: NCCL creates its communicator now, not at the first collective
+        device_id=None if device == "cpu" else torch.device(device),
     )
     groups = [dist.new_group(layout.ranks_of(i)) for i in range(layout.dp_size)]
     return ParallelContext.from_group(groups[layout.replica_of(rank)], layout.ep_size)
+
+
+def abort_process_groups() -> None:
+    """Give up this process's process groups after a cluster failure. On NCCL and HCCL a
+    collective stuck waiting for a dead or hung rank fails at once instead of at
+    --process_group_timeout. gloo cannot interrupt a collective in flight (it fails when
+    the peer's connection closes, or at the timeout); the caller abandons the thread that
+    waits in it."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    if dist.is_initialized():
+        _abort_process_group()

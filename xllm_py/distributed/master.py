@@ -3,7 +3,8 @@
     1. serve Coordinator on --master_node_addr; poll each worker's Health once registered
     2. wait until ranks 1..N-1 registered (--cluster_timeout; the error names missing ranks)
     3. build the replicas at once: replica 0 = this process's own worker (in-process),
-       replica i = GrpcExecutor over ranks of replica i (InitModel: load + allocate)
+       replica i = GrpcExecutor over ranks of replica i (InitModel: load and measure the
+       KV blocks that fit; AllocateCache: the minimum over the replica's ranks)
     4. hand the DataParallelEngineCore to the HTTP server, as a one-node daemon would its
        EngineCore
 
@@ -21,6 +22,7 @@ from xllm_py.distributed.coordinator import Coordinator, serve_coordinator
 from xllm_py.distributed.health import HealthMonitor
 from xllm_py.distributed.layout import (
     ClusterOptions,
+    abort_process_groups,
     join_process_groups,
     model_fingerprint,
     rendezvous_address,
@@ -43,7 +45,7 @@ class Cluster:
         self.core: DataParallelEngineCore | None = None
 
     def _watch(self, reg: pb.RegisterRequest) -> None:
-        client = WorkerClient(reg.node_rank, reg.address, reg.capacity)
+        client = WorkerClient(reg.node_rank, reg.address)
         self.clients[reg.node_rank] = client
         self.monitor.add(client)
 
@@ -72,6 +74,7 @@ class Cluster:
                 layout, 0, self.config.device.device, init_method, self.opts.process_group_timeout
             ),
             self._replica_executor(0, first_rank=1),
+            abort_process_groups,
         )
 
     def _replica_executor(self, replica: int, first_rank: int = 0) -> GrpcExecutor:
@@ -87,10 +90,11 @@ class Cluster:
             init_method=rendezvous_address(self.opts.master_node_addr)
             if layout.tp_size > 1
             else "",
-            seed=self.config.device.seed,
         )
         clients = [self.clients[r] for r in layout.ranks_of(replica)[first_rank:]]
-        return GrpcExecutor(clients, init, self.opts.step_timeout, self.monitor.verdict)
+        return GrpcExecutor(
+            clients, init, self.opts.step_timeout, self.monitor.verdict, self.config.device.seed
+        )
 
     def _stop_services(self) -> None:
         self.monitor.stop()

@@ -2,7 +2,8 @@
 
     start Worker service on --host:--port
     Register at --master_node_addr (retried until --cluster_timeout; refused: exit 2)
-    InitModel: load the model, allocate the KV cache        <- master
+    InitModel: load the model, measure the KV blocks that fit <- master
+    AllocateCache: allocate the replica's blocks (its ranks' minimum) <- master
     Health every second, ExecuteStep per step               <- master
     Shutdown (exit 0, or 1 after a failure elsewhere); no word from the master for
     --heartbeat_timeout seconds: exit 1
@@ -12,14 +13,10 @@ The servicer is thin: it converts at the edge (wire.py) and delegates to `Worker
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import struct
 import threading
 import time
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import torch
@@ -31,6 +28,7 @@ from xllm_py.distributed.coordinator import listen
 from xllm_py.distributed.layout import (
     ClusterLayout,
     ClusterOptions,
+    abort_process_groups,
     backend_for,
     join_process_groups,
     model_fingerprint,
@@ -47,6 +45,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.config = config
         self.process_group_timeout = process_group_timeout  # --process_group_timeout
         self.worker = None
+        self.capacity = 0  # KV blocks that fit, measured by InitModel
         self.steps = 0
         self.last_contact = time.monotonic()
         self.exit_code: int | None = None
@@ -80,25 +79,35 @@ class WorkerService(pb_grpc.WorkerServicer):
             request.dp_size,
         )
         worker = Worker(self.config, parallel)
-        fits = worker.determine_num_blocks()
-        if request.num_blocks > fits:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"asked for {request.num_blocks} KV blocks but only {fits} fit after loading",
-            )
-        worker.init_cache(request.num_blocks, request.seed)
-        self.worker = worker
+        capacity = worker.determine_num_blocks()  # with the replica's other ranks (TP)
+        logger.info("rank %d: %d KV blocks fit after loading", request.rank, capacity)
+        self.worker, self.capacity = worker, capacity
         self._touch()
         return pb.InitModelReply(
-            backend=backend_for(self.config.device.device) if request.init_method else ""
+            backend=backend_for(self.config.device.device) if request.init_method else "",
+            capacity=capacity,
         )
+
+    def AllocateCache(self, request: pb.AllocateCacheRequest, context) -> pb.AllocateCacheReply:  # noqa: N802
+        self._touch()
+        if self.worker is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "AllocateCache before InitModel")
+        if request.num_blocks > self.capacity:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"asked for {request.num_blocks} KV blocks but only {self.capacity} fit",
+            )
+        self.worker.init_cache(request.num_blocks, request.seed)
+        self._touch()
+        return pb.AllocateCacheReply()
 
     def Health(self, request: pb.HealthRequest, context) -> pb.HealthReply:  # noqa: N802
         self._touch()
         busy = self._step_lock.locked()  # a step in progress proves the device is alive
         if self.worker is not None and self.worker.device.type != "cpu" and not busy:
             torch.zeros(1, device=self.worker.device).add_(1).item()  # the device answers too
-        return pb.HealthReply(ready=self.worker is not None, steps=self.steps)
+        ready = self.worker is not None and self.worker.runner is not None
+        return pb.HealthReply(ready=ready, steps=self.steps)
 
     def ExecuteStep(self, request: pb.ExecuteStepRequest, context) -> pb.ExecuteStepReply:  # noqa: N802
         self._touch()
@@ -116,39 +125,6 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.exit_code = 1 if request.failure else 0
         self.stopped.set()
         return pb.ShutdownReply()
-
-
-def checkpoint_numel(path: str | Path) -> int:
-    """Parameters in a safetensors checkpoint, read from the file headers only."""
-    total = 0
-    for f in Path(path).glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-        for name, meta in header.items():
-            if name != "__metadata__" and not name.endswith("_scale_inv"):
-                total += math.prod(meta["shape"])
-    return total
-
-
-def estimate_capacity(config: EngineConfig, tp_size: int = 1) -> int:
-    """KV blocks this node can hold once its shard is loaded, before loading it: the rule of
-    Worker.determine_num_blocks with the weights' size read from the checkpoint headers.
-    InitModel checks the real figure after loading."""
-    from xllm_py.worker.worker import kv_cache_budget
-
-    mcfg, cache = config.model, config.cache
-    k = config.spec.num_speculative_tokens
-    layers = mcfg.num_hidden_layers + (mcfg.num_nextn_predict_layers if k else 0)
-    elem = torch.empty((), dtype=config.device.torch_dtype()).element_size()
-    per_block = layers * cache.block_size * mcfg.kv_cache_dim * elem
-    if cache.max_cache_size:
-        return cache.max_cache_size // per_block
-    weights = checkpoint_numel(mcfg.path) * elem // tp_size
-    device = torch.device(config.device.device)
-    num = kv_cache_budget(device, cache.max_memory_utilization, not_loaded=weights) // per_block
-    if device.type == "cpu":
-        num = min(num, config.scheduler.max_seqs_per_batch * config.max_blocks_per_seq)
-    return int(num)
 
 
 def register(opts: ClusterOptions, request: pb.RegisterRequest) -> None:
@@ -183,22 +159,21 @@ def run_worker_node(opts: ClusterOptions, config: EngineConfig, host: str, port:
     address = f"{host}:{port}"
     listen(server, address, f"--host={host} --port={port}")
     server.start()
-    capacity = estimate_capacity(config, opts.layout.tp_size)
-    logger.info(
-        "worker %d serving on %s (%d KV blocks); registering", opts.node_rank, address, capacity
-    )
+    logger.info("worker %d serving on %s; registering", opts.node_rank, address)
     request = pb.RegisterRequest(
         node_rank=opts.node_rank,
         device=config.device.device,
         address=address,
-        capacity=capacity,
         fingerprint=model_fingerprint(config),
         layout=opts.layout.to_pb(),
     )
     try:
         register(opts, request)
         service._touch()
-        return _serve(service, opts)
+        code = _serve(service, opts)
+        if code:  # a step of this rank may wait in a collective for a rank that is gone
+            abort_process_groups()
+        return code
     finally:
         server.stop(grace=1.0).wait()
 

@@ -1,6 +1,6 @@
 """One worker per device: loads the model, sizes and allocates the KV cache,
-runs steps. The in-process executor calls it directly; the gRPC executor
-will call the same methods remotely."""
+runs steps. The in-process executor calls it directly; a remote rank's gRPC
+service (distributed/worker_node.py) calls the same methods."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from xllm_py.config import EngineConfig
 from xllm_py.distributed.parallel import SINGLE, ParallelContext
 from xllm_py.executor.messages import ModelRunnerOutput, SchedulerOutput
+from xllm_py.models.context import forward_context
 from xllm_py.models.deepseek_mtp import (
     DeepseekV3MTP,
     check_shared_copy,
@@ -24,6 +25,7 @@ from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
 from xllm_py.spec.mtp_proposer import MTPProposer
 from xllm_py.weights.fp8 import Fp8Config
 from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
+from xllm_py.worker.attention_layout import RequestLayout, build_context
 from xllm_py.worker.graph_runner import GraphRunner
 from xllm_py.worker.model_runner import ModelRunner
 
@@ -115,21 +117,37 @@ def memory_split(total: int, in_use: int, utilization: float) -> int:
     return allowed - in_use
 
 
-def kv_cache_budget(device: torch.device, utilization: float, not_loaded: int = 0) -> int:
+def kv_cache_budget(device: torch.device, utilization: float, activations: int = 0) -> int:
     """Bytes for the KV cache. On an accelerator, `memory_split` of its total memory, with
-    what is in use on it now plus `not_loaded` (weights still to load, for an estimate made
-    before loading) taken off. On CPU, `utilization` of the RAM still available after them
-    (it is shared with the host)."""
+    what is in use on it now plus the `activations` peak of the largest step taken off. On
+    CPU, `utilization` of the RAM still available (it is shared with the host)."""
     if device.type == "cpu":
-        return max(int((available_memory(device) - not_loaded) * utilization), 0)
+        return int(available_memory(device) * utilization)
     free, total = device_memory(device)
-    return memory_split(total, total - free + not_loaded, utilization)
+    return memory_split(total, total - free + activations, utilization)
+
+
+def accelerator(device: torch.device):
+    """torch.cuda or torch.npu (torch_npu registers the latter when imported)."""
+    if device.type == "npu":
+        import torch_npu  # noqa: F401
+
+        return torch.npu  # type: ignore[attr-defined]
+    return torch.cuda
+
+
+def bind_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current accelerator: the current device is per
+    thread, and steps arrive on threads other than the one that built the worker."""
+    if device.type != "cpu":
+        mem = accelerator(device)
+        if mem.current_device() != device.index:
+            mem.set_device(device)
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
     """(free, total) bytes of a GPU or NPU."""
-    mem = torch.cuda if device.type == "cuda" else torch.npu  # type: ignore[attr-defined]
-    return mem.mem_get_info(device)
+    return accelerator(device).mem_get_info(device)
 
 
 def available_memory(device: torch.device) -> int:
@@ -149,8 +167,7 @@ class Worker:
         self.parallel = parallel
         self.device = torch.device(config.device.device)
         self.dtype = config.device.torch_dtype()
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        bind_device(self.device)
         self.model = load_target_model(config, self.device, self.dtype, parallel)
         self.draft: DeepseekV3MTP | None = None
         if config.spec.num_speculative_tokens:
@@ -172,30 +189,72 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit in --max_cache_size bytes, or in what --max_memory_utilization
-        leaves after loading the model (`kv_cache_budget`). On CPU, never more than running
-        requests can use at once (max_seqs_per_batch full-length sequences): RAM is shared
-        with the host."""
+        leaves after loading the model and, on an accelerator, after the activation peak of
+        the largest step (`profile_activations`; the ranks of a tensor-parallel replica
+        must call this together: the profiling forward all-reduces). On CPU, never more
+        than running requests can use at once (max_seqs_per_batch full-length sequences):
+        RAM is shared with the host."""
         cache = self.config.cache
         if cache.max_cache_size:
-            budget = cache.max_cache_size
-        else:
+            return int(cache.max_cache_size // self.bytes_per_block)
+        if self.device.type == "cpu":
             budget = kv_cache_budget(self.device, cache.max_memory_utilization)
-        if self.device.type != "cpu" and not cache.max_cache_size:
-            free, total = device_memory(self.device)
-            logger.info(
-                "memory: %.2f of %.1f GiB for this process: %.1f GiB in use after loading, "
-                "%.1f GiB for the KV cache",
-                cache.max_memory_utilization,
-                total / 2**30,
-                (total - free) / 2**30,
-                budget / 2**30,
-            )
-        num = budget // self.bytes_per_block
-        if self.device.type == "cpu" and not cache.max_cache_size:
-            num = min(
-                num, self.config.scheduler.max_seqs_per_batch * self.config.max_blocks_per_seq
-            )
-        return int(num)
+            cap = self.config.scheduler.max_seqs_per_batch * self.config.max_blocks_per_seq
+            return int(min(budget // self.bytes_per_block, cap))
+        peak = self.profile_activations()
+        budget = kv_cache_budget(self.device, cache.max_memory_utilization, peak)
+        free, total = device_memory(self.device)
+        logger.info(
+            "memory: %.2f of %.1f GiB for this process: %.1f GiB in use after loading, "
+            "%.2f GiB activation peak, %.1f GiB for the KV cache",
+            cache.max_memory_utilization,
+            total / 2**30,
+            (total - free) / 2**30,
+            peak / 2**30,
+            budget / 2**30,
+        )
+        return int(budget // self.bytes_per_block)
+
+    def profile_activations(self) -> int:
+        """Peak bytes the largest step allocates on top of what is resident: one forward
+        (`profile_forward`) measured with the accelerator's allocator statistics."""
+        mem = accelerator(self.device)
+        tokens = min(self.config.scheduler.max_tokens_per_batch, self.config.max_model_len)
+        caches = self._scratch_caches(tokens)  # resident, so not part of the peak
+        mem.synchronize(self.device)
+        mem.reset_peak_memory_stats(self.device)
+        before = mem.memory_allocated(self.device)
+        self.profile_forward(tokens, caches)
+        mem.synchronize(self.device)
+        peak = mem.max_memory_allocated(self.device) - before
+        del caches
+        mem.empty_cache()
+        return peak
+
+    def _scratch_caches(self, tokens: int) -> list[torch.Tensor]:
+        blocks = -(-tokens // self.config.cache.block_size)
+        shape = (blocks, self.config.cache.block_size, self.config.model.kv_cache_dim)
+        return [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.num_cache_layers)
+        ]
+
+    @torch.inference_mode()
+    def profile_forward(self, tokens: int, caches: list[torch.Tensor] | None = None) -> None:
+        """The largest step the scheduler can send: `tokens` rows as one prefill through the
+        target, then logits and their softmax (the sampler's largest temporaries) at the
+        rows a full decode batch samples, over throw-away caches. The MTP pass over the same
+        rows is left out: its one layer peaks no higher than a target layer does."""
+        caches = caches if caches is not None else self._scratch_caches(tokens)
+        bs = self.config.cache.block_size
+        layout = [RequestLayout(0, tokens, tokens, list(range(-(-tokens // bs))))]
+        pos = torch.arange(tokens, device=self.device)
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        with forward_context(build_context(layout, pos, caches, bs, self.dtype)):
+            hidden = self.model(ids, pos)
+        k = self.config.spec.num_speculative_tokens
+        rows = min(tokens, self.config.scheduler.max_seqs_per_batch * (1 + k))
+        torch.softmax(self.model.compute_logits(hidden[-rows:]), dim=-1)
 
     @property
     def graph_mode(self) -> bool:
@@ -288,10 +347,7 @@ class Worker:
                 graphs.warm_up()
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        # The current CUDA device is per thread, and steps arrive on the engine thread or
-        # a gRPC pool thread, not the one that built this worker.
-        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
-            torch.cuda.set_device(self.device)
+        bind_device(self.device)
         if self.graph_mode and not self.runner.graphs.warm:
             self.warm_up_graphs()
         return self.runner.execute(sched)
