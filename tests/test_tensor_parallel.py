@@ -1,10 +1,12 @@
 """Tensor and expert parallelism (docs/design.md section 2) across real processes: two ranks
 joined by torch.distributed (gloo) each load their shard and run the whole engine
-(scheduler, paged latent cache, MTP drafts); their greedy tokens, and the hidden states
-and logits of every sampled step, must match one process's.
+(scheduler, paged latent cache, MTP drafts; the embedding and lm_head split along the
+vocabulary); their greedy tokens and logprobs, and the hidden states and logits of every
+sampled step, must match one process's.
 
 Without processes: each rank's shard holds exactly its slice of the checkpoint (FP8
-dequantised first), and impossible layouts are refused with errors naming the numbers.
+dequantised first; vocab/tp rows of the embedding and head), and impossible layouts are
+refused with errors naming the numbers.
 """
 
 from __future__ import annotations
@@ -20,19 +22,21 @@ from tools.make_random_checkpoint import BASE_CONFIG, make_random_checkpoint
 from xllm_py import LLM, SamplingParams
 from xllm_py.config import ModelConfig
 from xllm_py.distributed.parallel import ParallelContext
-from xllm_py.models.deepseek_mtp import DeepseekV3MTP
+from xllm_py.models.deepseek_mtp import DeepseekV3MTP, check_shared_copy
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
+from xllm_py.models.layers.linear import Shard
 from xllm_py.weights.fp8 import Fp8Config
 from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
 
-GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
 # Long prompts take the expanded attention form, decode steps the absorbed one; one token
 # per step of 4 requests routes 8 or 12 assignments (both MoE execution paths run).
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [200, 3, 17, 90, 41, 8, 8, 9, 100, 12], [42]]
 
 
 def generate(path, k: int, parallel: ParallelContext | None = None, **engine):
-    """Greedy tokens for PROMPTS, and every (hidden, logits) pair the engine sampled from."""
+    """Greedy tokens and their logprobs (chosen + top 3) for PROMPTS, and every
+    (hidden, logits) pair the engine sampled from."""
     if parallel is not None:
         use_parallel_workers(parallel)
     llm = LLM(
@@ -58,7 +62,17 @@ def generate(path, k: int, parallel: ParallelContext | None = None, **engine):
         graph_steps = dict(runner.graphs.steps)
         graph_steps |= {("draft",) + key: n for key, n in runner.proposer.graphs[0].steps.items()}
         seen.append(graph_steps)
-    return [o.outputs[0].token_ids for o in outs], seen
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], seen
+
+
+def assert_same_logprobs(got, want, where: str, tol: float = 1e-4) -> None:
+    """Per generated token {id: logprob}: the same ids in the same order (chosen, then the
+    top ones), the values within `tol` (the TP model's hidden states differ from one
+    process's by float32 rounding of the split sums)."""
+    assert len(got) == len(want), where
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert list(g) == list(w), f"{where} token {i}: {list(g)} != {list(w)}"
+        assert max(abs(g[t] - w[t]) for t in w) < tol, f"{where} token {i}: {g} vs {w}"
 
 
 def _generate_all(jobs, parallel: ParallelContext):
@@ -67,6 +81,12 @@ def _generate_all(jobs, parallel: ParallelContext):
     # gloo cannot sum bf16: the context sums in float32 and gives bf16 back
     x = parallel.all_reduce(torch.full((3,), parallel.tp_rank + 1.5, dtype=torch.bfloat16))
     assert x.dtype == torch.bfloat16 and x.tolist() == [4.0] * 3
+    # the logits gather: rank order along the last dim, bit for bit, in any dtype
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(parallel.tp_rank))
+    for dtype in (torch.float32, torch.bfloat16):
+        g = parallel.all_gather(x.to(dtype))
+        parts = [torch.randn(2, 3, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
+        assert g.dtype == dtype and torch.equal(g, torch.cat(parts, -1).to(dtype))
     return results
 
 
@@ -90,17 +110,21 @@ def single(jobs):
 @pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2_ep2"])
 def test_two_ranks_generate_like_one_process(jobs, single, ep_size, tmp_path):
     ranks = run_ranks(ep_size, functools.partial(_generate_all, jobs), tmp_path)
-    for (path, k), (tokens, seen), *per_rank in zip(jobs, single, *ranks):
-        assert all(len(t) == GREEDY.max_tokens for t in tokens) and seen
-        for r, (r_tokens, r_seen) in enumerate(per_rank):
+    for (path, k), (outs, seen), *per_rank in zip(jobs, single, *ranks):
+        assert all(len(t) == GREEDY.max_tokens == len(lp) for t, lp in outs) and seen
+        for r, (r_outs, r_seen) in enumerate(per_rank):
             where = f"{Path(path).name} k={k} rank {r}"
-            assert r_tokens == tokens, where
+            assert [t for t, _ in r_outs] == [t for t, _ in outs], where
+            for (_, r_lp), (_, lp) in zip(r_outs, outs):
+                assert_same_logprobs(r_lp, lp, where)
             assert len(r_seen) == len(seen), where
             for (h, logits), (rh, r_logits) in zip(seen, r_seen):
+                assert r_logits.shape == logits.shape and r_logits.dtype == torch.float32, where
                 assert (rh - h).abs().max() < 1e-4, where
                 assert (r_logits - logits).abs().max() < 1e-4, where
                 assert torch.equal(r_logits.argmax(-1), logits.argmax(-1)), where
-        # replicated lm_head over identical all-reduce results: the ranks agree exactly
+        # the vocab slices gathered over identical all-reduce results: the ranks agree exactly
+        assert per_rank[0][0] == per_rank[1][0]
         for (_, a), (_, b) in zip(per_rank[0][1], per_rank[1][1]):
             assert torch.equal(a, b)
 
@@ -113,15 +137,18 @@ def _generate_in_graph_mode(path, parallel: ParallelContext):
 def test_two_ranks_in_graph_mode_generate_like_one_eager_process(
     jobs, single, mtp_ckpt, ep_size, tmp_path
 ):
-    """Graph mode (worker/graph_runner.py) on both ranks, all-reduces inside the graphs:
-    the tokens, hidden states and logits of one eager process, MTP k = 1."""
+    """Graph mode (worker/graph_runner.py) on both ranks, all-reduces inside the graphs
+    (the vocab-parallel embedding's among them; the logits gather runs outside): the
+    tokens, logprobs, hidden states and logits of one eager process, MTP k = 1."""
     ranks = run_ranks(ep_size, functools.partial(_generate_in_graph_mode, mtp_ckpt), tmp_path)
-    tokens, seen = single[jobs.index((mtp_ckpt, 1))]
-    for r, (r_tokens, r_seen) in enumerate(ranks):
+    outs, seen = single[jobs.index((mtp_ckpt, 1))]
+    for r, (r_outs, r_seen) in enumerate(ranks):
         graph_steps = r_seen.pop()
         # decode steps (all 4 requests with a draft, or one request left) ran in the graphs
         assert graph_steps[(4, 2)] >= 4 and graph_steps[("draft", 4, 2)] >= 4, graph_steps
-        assert r_tokens == tokens, f"rank {r}"
+        assert [t for t, _ in r_outs] == [t for t, _ in outs], f"rank {r}"
+        for (_, r_lp), (_, lp) in zip(r_outs, outs):
+            assert_same_logprobs(r_lp, lp, f"rank {r}")
         assert len(r_seen) == len(seen), f"rank {r}"
         for (h, logits), (rh, r_logits) in zip(seen, r_seen):
             assert (rh - h).abs().max() < 1e-4, f"rank {r}"
@@ -176,6 +203,11 @@ def test_each_rank_loads_its_slice_of_the_dequantised_checkpoint(fp8_ckpt, rank,
     else:  # half of the experts, whole
         assert experts == list(range(4 * rank, 4 * rank + 4))
         assert layer.mlp.experts[str(4 * rank)].down_proj.weight.shape == (80, 48)
+    # vocab 320: rows [160r, 160(r+1)) of the embedding and the head (the draft uses both)
+    target = parts[0]
+    for w in (target.model.embed_tokens.weight, target.lm_head.weight):
+        assert w.shape == (160, 80) and w.shard == Shard(0, rank, WORLD)
+    assert target.model.embed_tokens.vocab_start == 160 * rank and parts[1].target is target
     attn = layer.self_attn
     assert attn.num_heads == 2 and attn.q_b_proj.weight.shape == (2 * 32, 40)
     assert attn.kv_b_proj.weight.shape == (2 * (16 + 24), 48)
@@ -189,9 +221,10 @@ def _config(**overrides) -> ModelConfig:
 @pytest.mark.parametrize(
     "overrides, parallel, message",
     [
-        ({}, dict(tp_size=3), "num_attention_heads=4 is not divisible by tp_size=3"),
+        # vocab_size=321: divisible by 3, so the layers' checks are reached
+        (dict(vocab_size=321), dict(tp_size=3), "num_attention_heads=4 is not divisible"),
         (
-            dict(num_attention_heads=6),
+            dict(num_attention_heads=6, vocab_size=321),
             dict(tp_size=3, ep_size=3),
             "n_routed_experts=8 is not divisible by ep_size=3",
         ),
@@ -201,11 +234,36 @@ def _config(**overrides) -> ModelConfig:
             dict(tp_size=4),
             "moe_intermediate_size=50 is not divisible by tp_size=4",
         ),
+        (dict(vocab_size=322), dict(tp_size=4), "vocab_size=322 is not divisible by tp_size=4"),
     ],
 )
 def test_layouts_that_do_not_divide_are_refused(overrides, parallel, message):
     with torch.device("meta"), pytest.raises(ValueError, match=message):
         DeepseekV3ForCausalLM(_config(**overrides), ParallelContext(**parallel))
+
+
+def test_tied_head_is_the_vocab_split_embedding():
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(_config(tie_word_embeddings=True), ParallelContext(1, 4))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.shape == (80, 80)
+    assert model.lm_head.weight.shard == Shard(0, 1, 4)
+
+
+def test_draft_copy_of_a_vocab_split_tensor_is_checked_on_this_ranks_rows():
+    full = torch.randn(8, 3)
+    held = torch.nn.Parameter(full[4:].clone(), requires_grad=False)
+    held.shard = Shard(0, 1, 2)
+    check_shared_copy("copy", full.clone(), held)
+    other_rows = full.clone()
+    other_rows[0] += 1  # rank 0's row: rank 0 checks it
+    check_shared_copy("copy", other_rows, held)
+    own_rows = full.clone()
+    own_rows[5] += 1
+    with pytest.raises(ValueError, match="'copy' should be a copy of the target's tensor"):
+        check_shared_copy("copy", own_rows, held)
+    with pytest.raises(ValueError, match=r"shape \(4, 3\) but the target's copy has \(8, 3\)"):
+        check_shared_copy("copy", full[4:], held)
 
 
 def test_expert_parallel_size_must_equal_tensor_parallel_size():
@@ -215,8 +273,11 @@ def test_expert_parallel_size_must_equal_tensor_parallel_size():
         ParallelContext(tp_rank=2, tp_size=2)
 
 
-def test_single_process_all_reduce_is_a_no_op_and_needs_no_group():
+def test_single_process_collectives_are_no_ops_and_need_no_group():
     x = torch.ones(3)
     assert ParallelContext().all_reduce(x) is x
-    with pytest.raises(RuntimeError, match="without a process group"):
+    assert ParallelContext().all_gather(x) is x
+    with pytest.raises(RuntimeError, match="without a process group cannot all-reduce"):
         ParallelContext(0, 2).all_reduce(x)
+    with pytest.raises(RuntimeError, match="without a process group cannot all-gather"):
+        ParallelContext(0, 2).all_gather(x)

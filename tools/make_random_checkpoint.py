@@ -6,10 +6,10 @@
 The layout is DeepSeek-V3's: `model.layers.{i}` for the target, MTP layers at
 `model.layers.{num_hidden_layers + j}` with enorm / hnorm / eh_proj /
 shared_head.{norm,head} / embed_tokens (the last two copies of the target's).
-With --fp8-block, every `*proj.weight` matrix is stored as float8 e4m3 with a
-`weight_scale_inv` per block (the default dims are not multiples of 32, so edge
-blocks are partial). Weights are fan-in-scaled normals, so activations keep
-trained-model magnitudes.
+With --fp8-block, every `*proj.weight` matrix (`kv_a_proj_with_mqa` too, as in
+DeepSeek-V3's checkpoint) is stored as float8 e4m3 with a `weight_scale_inv` per block
+(the default dims are not multiples of 32, so edge blocks are partial). Weights are
+fan-in-scaled normals, so activations keep trained-model magnitudes.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def make_random_checkpoint(
     tensors = random_tensors(tensor_shapes(cfg, num_mtp), seed)
     stored: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if fp8_block and t.dim() == 2 and name.endswith("proj.weight"):
+        if fp8_block and t.dim() == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight")):
             q, scale_inv = quantize(t, fp8_block)
             stored[name], stored[name + "_scale_inv"] = q, scale_inv
         else:

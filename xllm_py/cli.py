@@ -84,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="float32, bfloat16 or float16; auto = bfloat16 on accelerators, float32 on CPU",
     )
+    flag(
+        "weight_dtype",
+        default="auto",
+        help="how an FP8 checkpoint's weights are held: fp8 (resident with their block "
+        "scales; block-scaled FP8 GEMM on CUDA where available, else dequantised per matmul), "
+        "bf16 or float32 (dequantised at load; must equal --dtype); auto = fp8 where the "
+        "device has a block-scaled FP8 GEMM and graph mode is off, else dequantised at load",
+    )
     boolean("enable_mla", True, "use MLA attention (required: DeepSeek-V3 has only MLA)")
 
     flag("host", default="127.0.0.1", help="address the HTTP server binds to")
@@ -316,6 +324,7 @@ def build_config(a: argparse.Namespace):
         seed=a.seed,
         enable_graph=a.enable_graph,
         graph_batch_sizes=a.graph_batch_sizes,
+        weight_dtype=a.weight_dtype,
         num_speculative_tokens=a.num_speculative_tokens,
         draft_model=a.draft_model,
         speculative_disable_batch_size=a.speculative_disable_batch_size,

@@ -355,6 +355,11 @@ class DeviceConfig:
     # to the smallest of these batch sizes that holds them; larger steps run eager.
     enable_graph: bool = False
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    # How an FP8 checkpoint's weights are held (weights/fp8.py): "fp8" resident with their
+    # block scales, or dequantised at load into the run dtype ("bfloat16" / "float32", which
+    # must then be the run dtype). "auto": fp8 where the device has a block-scaled FP8 GEMM
+    # (and graph mode is off), else dequantised. Checkpoints without FP8: ignored.
+    weight_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         kind, _, index = self.device.partition(":")
@@ -372,6 +377,23 @@ class DeviceConfig:
             raise ValueError("enable_graph=True is not supported on NPU yet (runs eager only)")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        self._check_weight_dtype()
+
+    def _check_weight_dtype(self) -> None:
+        wd = {"bf16": "bfloat16", "fp32": "float32"}.get(self.weight_dtype, self.weight_dtype)
+        object.__setattr__(self, "weight_dtype", wd)
+        if wd not in ("auto", "fp8", "bfloat16", "float32"):
+            raise ValueError(f"weight_dtype={wd!r} must be auto, fp8, bf16 (bfloat16) or float32")
+        if wd == "fp8" and self.enable_graph:
+            raise ValueError(
+                "weight_dtype=fp8 with enable_graph=True is not implemented (FP8-resident "
+                "weights run eager); use weight_dtype=bf16 for graph mode"
+            )
+        if wd not in ("auto", "fp8") and parse_dtype(wd) != self.torch_dtype():
+            raise ValueError(
+                f"weight_dtype={wd}: dequantised weights take the run dtype, which is "
+                f"{str(self.torch_dtype()).removeprefix('torch.')} (set dtype={wd} too)"
+            )
 
     def torch_dtype(self) -> torch.dtype:
         """auto: bfloat16 on accelerators; float32 on CPU, where this engine's small decode

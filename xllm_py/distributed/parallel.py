@@ -1,4 +1,4 @@
-"""Where this process sits inside its model replica, and the one collective the model uses.
+"""Where this process sits inside its model replica, and the two collectives the model uses.
 
 A replica of `tp_size` ranks runs one model together (docs/design.md section 2):
 
@@ -10,7 +10,11 @@ A replica of `tp_size` ranks runs one model together (docs/design.md section 2):
                   ep_size == tp_size: rank r holds experts [r*E/ep, (r+1)*E/ep) whole and
                   runs them on the tokens routed to them (routing is replicated).
                   A MoE layer all-reduces routed + shared partial sums once.
-    embedding, lm_head, norms, router, MTP eh_proj: replicated.
+    embedding,    vocabulary split: rank r holds rows [r*V/tp, (r+1)*V/tp)
+    lm_head       (models/layers/vocab_parallel.py). Lookups outside them give zeros and
+                  the embeddings are all-reduced; the logits slices are all-gathered, so
+                  every rank samples from the same full logits. The MTP draft uses both.
+    norms, router, MTP eh_proj: replicated.
 
 The context is passed explicitly to the model constructors; there is no module-level
 process group. Build it in a worker, after `torch.distributed.init_process_group`, with
@@ -32,7 +36,7 @@ class ParallelContext:
     """tp_rank / tp_size: this rank inside the replica. ep_size: 1 (experts split on their
     intermediate dim) or tp_size (experts partitioned). group: the replica's process group;
     None when tp_size == 1, or for a model built only to see its shard shapes (then
-    `all_reduce` refuses to run)."""
+    `all_reduce` and `all_gather` refuse to run)."""
 
     tp_rank: int = 0
     tp_size: int = 1
@@ -88,10 +92,24 @@ class ParallelContext:
             dist.all_reduce(y, group=self.group)
         return y.to(x.dtype) if low else y
 
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The ranks' `x` concatenated along `dim` in rank order (a new tensor; the same on
+        every rank). Exact in any dtype: data is copied, never summed (gloo gathers bf16
+        as it is, unlike its sum). Eager only: its one user, the LM head's logits, runs
+        outside graph mode's graphs."""
+        if self.tp_size == 1:
+            return x
+        if self.group is None:
+            raise RuntimeError("ParallelContext without a process group cannot all-gather")
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim)
+
     @property
     def backend(self) -> str | None:
         """The process group's backend ("gloo", "nccl", ...); None without a group."""
         return self._backend
 
 
-SINGLE = ParallelContext()  # one process: every layer whole, all_reduce a no-op
+SINGLE = ParallelContext()  # one process: every layer whole, the collectives no-ops

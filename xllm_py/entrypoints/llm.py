@@ -46,6 +46,7 @@ def engine_config(
     draft_model: str | None = None,
     speculative_disable_batch_size: int = 0,
     draft_device: str | None = None,
+    weight_dtype: str = "auto",
 ) -> EngineConfig:
     """The engine's configuration from flat options (the offline API and the CLI share it).
     No model means the bundled one."""
@@ -69,6 +70,7 @@ def engine_config(
             seed=seed,
             enable_graph=enable_graph,
             graph_batch_sizes=tuple(graph_batch_sizes),
+            weight_dtype=weight_dtype,
         ),
         spec=SpecConfig(
             num_speculative_tokens=num_speculative_tokens,

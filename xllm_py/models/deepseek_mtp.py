@@ -9,11 +9,14 @@ MoE) with three extra pieces in front and one behind:
 
 `embed` and `lm_head` are the target's, shared in memory: checkpoints carry
 copies (`embed_tokens`, `shared_head.head`), which the loader checks are equal
-to the target's and then drops.
+to the target's and then drops. Under tensor parallelism the target holds
+vocab_size / tp rows of each (models/layers/vocab_parallel.py), and the check
+compares the copy's same rows.
 
 Tensor/expert parallel: the decoder block is sharded exactly like the
 target's layers (same classes, same `ParallelContext`, by default the
-target's); enorm, hnorm, eh_proj and shared_head.norm are replicated.
+target's); enorm, hnorm, eh_proj and shared_head.norm are replicated; the
+embedding and head are the target's vocabulary-split ones (logits gathered).
 
 Checkpoint layouts (`draft_name_map`):
   in the target checkpoint  model.layers.{N + j}.{block | enorm | hnorm | eh_proj | shared_head.*}
@@ -174,13 +177,20 @@ def read_draft_config(path: str | Path, target: ModelConfig) -> int:
 
 def check_shared_copy(name: str, stored: torch.Tensor, target_tensor: torch.Tensor) -> None:
     """The draft's copy must equal the target's tensor, compared at the coarser of the two
-    dtypes (an exported bf16 copy of a float32 target compares as bf16)."""
-    stored = stored.to(target_tensor.device)  # read on the CPU; the target may be on a GPU
-    if tuple(stored.shape) != tuple(target_tensor.shape):
+    dtypes (an exported bf16 copy of a float32 target compares as bf16). A target tensor
+    holding a slice of the checkpoint's (`target_tensor.shard`: this rank's vocabulary rows)
+    is compared with the same slice of the copy."""
+    shard = getattr(target_tensor, "shard", None)
+    target_tensor = target_tensor.detach()
+    full = tuple(target_tensor.shape) if shard is None else shard.full_shape(target_tensor.shape)
+    if tuple(stored.shape) != full:
         raise ValueError(
             f"draft tensor {name!r} has shape {tuple(stored.shape)} but the target's copy has "
-            f"{tuple(target_tensor.shape)}"
+            f"{full}"
         )
+    if shard is not None:
+        stored = shard.take(stored)
+    stored = stored.to(target_tensor.device)  # read on the CPU; the target may be on a GPU
     if torch.equal(stored.to(target_tensor.dtype), target_tensor):  # the target's own cast
         return
     coarse = min(stored.dtype, target_tensor.dtype, key=lambda d: torch.finfo(d).eps * -1)

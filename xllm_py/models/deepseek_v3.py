@@ -5,7 +5,7 @@
         h = h + MLA(norm(h))                  # attention over the paged latent cache
         h = h + (MoE if i >= first_k_dense_replace else MLP)(norm(h))
     hidden = norm(h)                          # returned: the MTP draft needs it
-    logits = lm_head(hidden[rows to sample])  # only where a token is sampled
+    logits = lm_head(hidden[rows to sample])  # only where a token is sampled; float32
 
 Parameter names mirror the checkpoint, so loading is a name-for-name copy;
 `process_weights_after_loading` then fuses and re-lays weights for speed.
@@ -13,24 +13,25 @@ The model knows nothing of requests or blocks: the batch layout arrives
 through `models.context`.
 
 Tensor/expert parallelism (`parallel`, distributed/parallel.py) lives in the
-layers' sharded linears and the MoE; the embedding, the final norm and lm_head
-are replicated, so every rank returns the same hidden states and logits.
+layers' sharded linears and the MoE; the embedding and lm_head are split along
+the vocabulary (models/layers/vocab_parallel.py: an all-reduced lookup, gathered
+logits) and the final norm is replicated, so every rank returns the same hidden
+states and the same full logits.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from xllm_py.config import ModelConfig
 from xllm_py.distributed.parallel import SINGLE, ParallelContext
-from xllm_py.models.layers.linear import Linear
 from xllm_py.models.layers.mla import MLAttention
 from xllm_py.models.layers.mlp import MLP
 from xllm_py.models.layers.moe import MoE
 from xllm_py.models.layers.norm import RMSNorm
 from xllm_py.models.layers.rope import RotaryEmbedding
+from xllm_py.models.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 class DecoderLayer(nn.Module):
@@ -60,13 +61,8 @@ class DecoderLayer(nn.Module):
 class DeepseekV3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        # Replicated on every rank (like lm_head, not vocab-split).
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
-            _freeze=True,
-        )
+        # This rank's vocabulary rows; lookups are all-reduced (vocab_parallel.py).
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, parallel=parallel) for i in range(cfg.num_hidden_layers)
         )
@@ -75,15 +71,15 @@ class DeepseekV3Model(nn.Module):
 
 class DeepseekV3ForCausalLM(nn.Module):
     """`parallel`: this process's place in its tensor/expert-parallel replica (default: one
-    process, nothing split). The embedding and lm_head are replicated, not vocab-split:
-    every rank computes the same full logits, no gather needed."""
+    process, nothing split). The embedding and lm_head hold vocab_size / tp_size rows each;
+    `compute_logits` gathers the ranks' slices, so every rank gets the same full logits."""
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.config = cfg
         self.parallel = parallel
         self.model = DeepseekV3Model(cfg, parallel)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
@@ -104,9 +100,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        logits = F.linear(hidden, self.lm_head.weight)
-        return logits if logits.dtype == torch.float32 else logits.float()
+        """hidden [N, hidden] -> float32 logits [N, vocab], the same on every rank (under
+        tensor parallelism a collective: every rank of the replica calls it)."""
+        return self.lm_head(hidden, torch.float32)
 
 
 def process_tree(module: nn.Module) -> None:

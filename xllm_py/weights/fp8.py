@@ -7,15 +7,32 @@ A quantised weight `W [out, in]` is stored as float8 e4m3 plus
     W[i, j] = fp8[i, j] * scale_inv[i // B0, j // B1]
 
 Edges that are not a multiple of the block size belong to a partial block.
-Dequantisation happens per tensor at load time, so the model is never held in
-float32 as a whole; scale tensors never reach the model.
+
+Two ways to hold such a weight (--weight_dtype):
+  dequantised at load  per tensor (or per rank's slice), into the run dtype; the model
+                       never sees a scale.
+  FP8-resident         `Fp8Weight`: the float8 matrix (or a stack of experts' matrices),
+                       its block scales, and for each local row and column the scale
+                       block it belongs to (`rows`, `cols`). A rank's slice, or a fused
+                       matrix whose parts do not end on a block edge, keeps the scales of
+                       the blocks it covers and its own index maps, so no alignment is
+                       needed. Multiplying goes through `fp8_matmul` (ops below).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+FP8 = torch.float8_e4m3fn
 
 SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
 
@@ -47,23 +64,59 @@ def is_scale(name: str) -> bool:
     return name.endswith(SCALE_SUFFIX)
 
 
+@functools.lru_cache(maxsize=1024)  # shared by the many weights of one layout (read-only)
+def block_index(n: int, block: int, offset: int = 0) -> torch.Tensor:
+    """For the `n` rows (or columns) starting at `offset` of a full tensor: the index of
+    each one's scale block, counted from the first block they touch. [n] int32"""
+    idx = (torch.arange(n, dtype=torch.int32) + offset) // block
+    return idx - offset // block
+
+
+def covering(start: int, length: int, block: int) -> slice:
+    """The scale blocks that rows (or columns) [start, start + length) of a full tensor touch."""
+    return slice(start // block, -(-(start + length) // block))
+
+
 def dequantize(
-    w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+    w: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+    offset: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
-    """float8 `[out, in]` with `[ceil(out/B0), ceil(in/B1)]` scales -> `dtype`."""
+    """float8 `[out, in]` with its block scales -> `dtype`. `w` may be a slice of a full
+    tensor starting at `offset` (row, column), with `scale_inv` the blocks it touches;
+    a whole tensor's are `[ceil(out/B0), ceil(in/B1)]`."""
     out_dim, in_dim = w.shape
-    b0, b1 = block
-    expect = (-(-out_dim // b0), -(-in_dim // b1))
-    if tuple(scale_inv.shape) != expect:
+    rows = slice_blocks(out_dim, block[0], offset[0])
+    cols = slice_blocks(in_dim, block[1], offset[1])
+    if tuple(scale_inv.shape) != (rows, cols):
         raise ValueError(
             f"weight_scale_inv has shape {tuple(scale_inv.shape)}; "
             f"a {out_dim}x{in_dim} weight with "
-            f"blocks of {b0}x{b1} needs {expect}"
+            f"blocks of {block[0]}x{block[1]} needs {(rows, cols)}"
         )
-    scale = (
-        scale_inv.float().repeat_interleave(b0, 0)[:out_dim].repeat_interleave(b1, 1)[:, :in_dim]
-    )
-    return (w.float() * scale).to(dtype)
+    rows = block_index(out_dim, block[0], offset[0])
+    cols = block_index(in_dim, block[1], offset[1])
+    whole_cols = block[1] if offset[1] % block[1] == 0 else None
+    return _expand(w, scale_inv, rows, cols, whole_cols).to(dtype)
+
+
+def slice_blocks(length: int, block: int, offset: int = 0) -> int:
+    s = covering(offset, length, block)
+    return s.stop - s.start
+
+
+def _expand(w, scale, rows, cols, block_cols: int | None = None) -> torch.Tensor:
+    """float32 `w * scale` with each element's block scale: [..., out, in]. With
+    `block_cols` (columns are whole blocks from the first), the scales broadcast over each
+    block's columns instead of being expanded to the full size first."""
+    out = w.float()
+    s = scale[..., rows, :]  # [..., out, C]: small
+    if block_cols and out.shape[-1] == s.shape[-1] * block_cols:
+        out.view(*out.shape[:-1], s.shape[-1], block_cols).mul_(s.unsqueeze(-1))
+        return out
+    return out.mul_(s[..., cols])
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,3 +131,160 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     scale_inv = amax / torch.finfo(torch.float8_e4m3fn).max  # [rows, cols]
     q = (blocks / scale_inv[:, None, :, None]).view(rows * b0, cols * b1)[:out_dim, :in_dim]
     return q.to(torch.float8_e4m3fn), scale_inv
+
+
+# ---- FP8-resident weights --------------------------------------------------------------------
+
+_RESIDENT_BLOCK: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "fp8_resident_block", default=None
+)
+
+
+@contextlib.contextmanager
+def fp8_resident(block: tuple[int, int] | None) -> Iterator[None]:
+    """While a model is built: its quantisable linears (models/layers/linear.py) hold float8
+    weights with `block` scales instead of run-dtype ones (None: no change)."""
+    token = _RESIDENT_BLOCK.set(block)
+    try:
+        yield
+    finally:
+        _RESIDENT_BLOCK.reset(token)
+
+
+def resident_block() -> tuple[int, int] | None:
+    return _RESIDENT_BLOCK.get()
+
+
+class Fp8Weight(nn.Module):
+    """A float8 matrix `data [..., out, in]` (a stack of experts' when it has a leading
+    dim) with `scale [..., R, C]` float32 and the block of each local row / column
+    (`rows [out]`, `cols [in]`, the same for every matrix of a stack):
+
+        W[..., i, j] = data[..., i, j] * scale[..., rows[i], cols[j]]
+
+    `aligned`: rows and columns are whole blocks from the first (row i in block i // B0),
+    which the device's block-scaled FP8 GEMM needs."""
+
+    def __init__(self, data, scale, rows, cols, block: tuple[int, int], aligned=None) -> None:
+        super().__init__()
+        self.register_buffer("data", data)
+        self.register_buffer("scale", scale.float())
+        self.register_buffer("rows", rows.to(data.device))
+        self.register_buffer("cols", cols.to(data.device))
+        self.block = block
+        n, m = data.shape[-2:]
+        if aligned is None:  # (an expert taken from a stack inherits the stack's)
+            aligned = torch.equal(rows.cpu(), block_index(n, block[0])) and torch.equal(
+                cols.cpu(), block_index(m, block[1])
+            )
+        self.aligned = bool(aligned)
+        self.cols_aligned = bool(torch.equal(cols.cpu(), block_index(m, block[1])))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequant(self, dtype: torch.dtype) -> torch.Tensor:
+        whole_cols = self.block[1] if self.cols_aligned else None
+        return _expand(self.data, self.scale, self.rows, self.cols, whole_cols).to(dtype)
+
+    def __getitem__(self, index) -> Fp8Weight:
+        """Experts of a stack: `index` an int or a tensor of ids."""
+        return Fp8Weight(
+            self.data[index], self.scale[index], self.rows, self.cols, self.block, self.aligned
+        )
+
+    @staticmethod
+    def cat(parts: list[Fp8Weight]) -> Fp8Weight:
+        """Concatenated along the output rows (fused gate|up, q|kv): each part keeps its
+        own scale blocks, so the parts need not end on a block edge."""
+        if len({p.cols.tolist().__repr__() for p in parts}) != 1:
+            raise ValueError("FP8 weights fused along rows must share their column blocks")
+        offsets = [0]
+        for p in parts[:-1]:
+            offsets.append(offsets[-1] + p.scale.shape[-2])
+        rows = torch.cat([p.rows + o for p, o in zip(parts, offsets)])
+        scale = torch.cat([p.scale for p in parts], dim=-2)
+        data = torch.cat([p.data for p in parts], dim=-2)
+        return Fp8Weight(data, scale, rows, parts[0].cols, parts[0].block)
+
+    @staticmethod
+    def stack(parts: list[Fp8Weight]) -> Fp8Weight:
+        """Experts' matrices of one layout stacked on a new leading dim."""
+        first = parts[0]
+        if any(not torch.equal(p.rows, first.rows) or not torch.equal(p.cols, first.cols)
+               for p in parts):  # fmt: skip
+            raise ValueError("stacked FP8 weights must share their block layout")
+        data = torch.stack([p.data for p in parts])
+        scale = torch.stack([p.scale for p in parts])
+        return Fp8Weight(data, scale, first.rows, first.cols, first.block)
+
+    def extra_repr(self) -> str:
+        return f"shape={tuple(self.data.shape)}, block={self.block}, aligned={self.aligned}"
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """x [..., in] @ W^T for an FP8-resident W [out, in]: the device's block-scaled FP8 GEMM
+    where `fp8_gemm_available` found one (x quantised per token and group of B1 columns,
+    as DeepSeek-V3's recipe does), else the reference: W dequantised for this call."""
+    if w.aligned and _fast_gemm(x.device):
+        return _scaled_gemm(x, w)
+    return torch.nn.functional.linear(x, w.dequant(x.dtype))
+
+
+_FAST: dict[str, bool] = {}
+
+
+def _fast_gemm(device: torch.device) -> bool:
+    return _FAST.get(str(device), False)
+
+
+def fp8_gemm_available(device: torch.device) -> bool:
+    """Whether `device` runs the block-scaled FP8 GEMM (probed once per device against the
+    reference; logged). CPU: no (the reference path is for tests there)."""
+    key = str(device)
+    if key not in _FAST:
+        _FAST[key] = False
+        if device.type == "cuda":
+            _FAST[key] = _probe(device)
+    return _FAST[key]
+
+
+def _probe(device: torch.device) -> bool:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 512, generator=g) / 16
+    q, s = quantize(w, (128, 128))
+    weight = Fp8Weight(q, s, block_index(256, 128), block_index(512, 128), (128, 128)).to(device)
+    x = torch.randn(16, 512, generator=g).to(device, torch.bfloat16)
+    try:
+        got = _scaled_gemm(x, weight).float()
+    except (RuntimeError, TypeError, ValueError) as e:
+        logger.info("FP8: no block-scaled FP8 GEMM on %s (%s); weights are dequantised", device, e)
+        return False
+    want = torch.nn.functional.linear(x.float(), weight.dequant(torch.float32))
+    err = ((got - want).norm() / want.norm()).item()
+    ok = err < 0.05  # activation quantisation to e4m3 costs about 2-3% relative error
+    logger.info("FP8: block-scaled GEMM on %s %s (relative error %.3g)",
+                device, "in use" if ok else "REJECTED", err)  # fmt: skip
+    return ok
+
+
+def _scaled_gemm(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """torch._scaled_mm with 1 x B1 activation scales and B0 x B1 weight scales."""
+    b1 = w.block[1]
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    k = x2.shape[1]
+    pad = -k % b1
+    xp = torch.nn.functional.pad(x2.float(), (0, pad)).view(x2.shape[0], -1, b1)
+    amax = xp.abs().amax(dim=-1).clamp(min=1e-12)  # [M, K / B1]
+    sx = amax / torch.finfo(FP8).max
+    xq = (xp / sx.unsqueeze(-1)).view(x2.shape[0], -1)[:, :k].to(FP8)
+    y = torch._scaled_mm(
+        xq,
+        w.data.t(),
+        scale_a=sx.t().contiguous().t(),  # outer-dim-major, as the kernel wants
+        scale_b=w.scale.t(),
+        out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16,
+    )
+    return y.to(x.dtype).view(*shape[:-1], w.data.shape[0])

@@ -1,25 +1,31 @@
 """Read safetensors checkpoints into models whose parameter names mirror them.
 
-One tensor at a time (`safe_open` + `get_tensor`), so peak memory is the model
-plus one tensor. Single-file and sharded (`model.safetensors.index.json`)
-layouts are both accepted; FP8 block-quantised weights are dequantised on the
-way (`weights.fp8`). Every mismatch is an error that names the tensor:
-unexpected names, missing names, shapes (checkpoint vs model), unreadable or
-missing shard files.
+One tensor at a time, so peak memory is the model plus about one tensor per reading
+thread (one thread per shard file, up to `LOAD_THREADS`). Single-file and sharded
+(`model.safetensors.index.json`) layouts are both accepted. FP8 block-quantised
+weights are either dequantised on the way (`weights.fp8`) or, for a model built
+FP8-resident, copied as float8 with their scale blocks. Every mismatch is an error that
+names the tensor: unexpected names, missing names, shapes (checkpoint vs model),
+unreadable or missing shard files.
 
-Tensor/expert parallel models load the same checkpoint on every rank: a
-parameter with a `shard` (models/layers/linear.py `Shard`) takes its slice of
-the full, dequantised tensor; a module listing `remote_weight_prefixes` (MoE
-under expert parallelism) names the weights another rank holds, which are
-skipped here.
+Tensor/expert parallel models load the same checkpoint on every rank, and each rank
+reads only what it holds: a parameter with a `shard` (models/layers/linear.py `Shard`)
+reads its slice from the file (`get_slice`), with the scale blocks that slice touches;
+a module listing `remote_weight_prefixes` (MoE under expert parallelism) names the
+weights another rank holds, which are not read at all. `load_weights` returns what it
+read (`LoadStats`: bytes and seconds).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,9 +33,10 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
-from xllm_py.weights.fp8 import SCALE_SUFFIX, Fp8Config, dequantize, is_scale
+from xllm_py.weights.fp8 import FP8, SCALE_SUFFIX, Fp8Config, covering, dequantize, is_scale
 
 INDEX_FILE = "model.safetensors.index.json"
+LOAD_THREADS = 8  # shard files read at once
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -78,6 +85,8 @@ class Checkpoint:
         self.path = Path(path)
         self.files = tensor_files(path)
         self.fp8 = fp8
+        self.bytes_read = 0  # by `read`, over this object's life
+        self._lock = threading.Lock()
 
     @property
     def names(self) -> list[str]:
@@ -100,12 +109,28 @@ class Checkpoint:
                         bar.update(1)
 
     def _read(self, st, name: str, dtype: torch.dtype) -> torch.Tensor:
+        t = self.read(st, name)
+        if t.dtype != FP8:
+            return t if dtype is None else t.to(dtype)
+        scale = self.read_scale(st, name)
+        return self._dequantize(name, t, scale, dtype or torch.float32, (0, 0))
+
+    def read(self, st, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor `name` as stored, or the part `index` selects (read from the file as a
+        slice: nothing else of the tensor is read). Counted in `bytes_read`."""
         try:
-            t = st.get_tensor(name)
+            t = st.get_tensor(name) if index is None else st.get_slice(name)[index]
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{self.files[name]}: cannot read tensor {name!r} ({e})") from None
-        if t.dtype != torch.float8_e4m3fn:
-            return t if dtype is None else t.to(dtype)
+        with self._lock:
+            self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def shape(self, st, name: str) -> tuple[int, ...]:
+        return tuple(st.get_slice(name).get_shape())
+
+    def read_scale(self, st, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The block scales of float8 weight `name` (the blocks `index` selects)."""
         scale_name = name + SCALE_SUFFIX
         if self.fp8 is None:
             raise ValueError(
@@ -114,60 +139,152 @@ class Checkpoint:
         if scale_name not in self.files:
             raise ValueError(f"float8 tensor {name!r} has no {scale_name!r} in the checkpoint")
         if self.files[scale_name] == self.files[name]:
-            scale = st.get_tensor(scale_name)
-        else:
-            with _open(self.files[scale_name]) as other:
-                scale = other.get_tensor(scale_name)
+            return self.read(st, scale_name, index)
+        with _open(self.files[scale_name]) as other:
+            return self.read(other, scale_name, index)
+
+    def _dequantize(self, name, t, scale, dtype, offset) -> torch.Tensor:
         try:
-            return dequantize(t, scale, self.fp8.block, dtype or torch.float32)
+            return dequantize(t, scale, self.fp8.block, dtype, offset)
         except ValueError as e:
             raise ValueError(f"tensor {name!r}: {e}") from None
+
+
+@dataclass
+class LoadStats:
+    tensors: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        gb = self.bytes_read / 1e9
+        rate = gb / self.seconds if self.seconds else 0.0
+        return f"{self.tensors} tensors, {gb:.3f} GB read in {self.seconds:.1f} s ({rate:.2f} GB/s)"
 
 
 def load_weights(
     model: nn.Module,
     ckpt: Checkpoint,
     select: Callable[[str], str | None] = lambda name: name,
-) -> None:
+    desc: str = "loading weights",
+) -> LoadStats:
     """Copy checkpoint tensors into the model's parameters and buffers.
 
     `select(name)` gives the model name a checkpoint tensor loads into, or None to
     leave it (it belongs to another model, e.g. the MTP draft). Tensors held by
-    another rank are left too; sharded parameters get their slice. Raises ValueError
-    naming the first unexpected, mis-shaped or missing tensor.
+    another rank are not read; sharded parameters read their slice; FP8-resident
+    parameters take the float8 data and their `weight_scale_inv` blocks. Shard files
+    are read in parallel threads. Raises ValueError naming the first unexpected,
+    mis-shaped or missing tensor.
     """
-    targets = _unique_state(model)
     remote = _remote_prefixes(model)
     wanted = {n: select(n) for n in ckpt.names}
     wanted = {n: t for n, t in wanted.items() if t is not None and not _is_remote(t, remote)}
+    _dense_where_stored_dense(model, ckpt, wanted)
+    targets = _unique_state(model)
     unexpected = [n for n, t in wanted.items() if t not in targets]
     if unexpected:
         shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
         raise ValueError(f"{ckpt.path}: unexpected tensor(s) in checkpoint: {shown}")
-    loaded = set()
-    for name, tensor in ckpt.tensors(list(wanted)):  # copy_ casts to each target's dtype
-        target = targets[wanted[name]]
-        shard = getattr(target, "shard", None)
-        expected = tuple(target.shape) if shard is None else shard.full_shape(target.shape)
-        if tuple(tensor.shape) != expected:
-            split = (
-                f" (split {shard.parts} ways on dim {shard.dim})"
-                if shard and shard.parts > 1
-                else ""
-            )
-            raise ValueError(
-                f"{ckpt.path}: tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint "
-                f"but the model expects {expected}{split}"
-            )
-        if shard is not None:
-            tensor = shard.take(tensor)
-        with torch.no_grad():
-            target.copy_(tensor)
-        loaded.add(wanted[name])
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in wanted:
+        by_file[ckpt.files[name]].append(name)
+    start, before = time.monotonic(), ckpt.bytes_read
+    loaded: set[str] = set()
+    with tqdm(total=len(wanted), desc=desc, unit="tensor", disable=None) as bar:
+
+        def read_file(f: Path) -> None:
+            with _open(f) as st:
+                for name in by_file[f]:
+                    loaded.update(_load_one(ckpt, st, name, wanted[name], targets))
+                    bar.update(1)
+
+        with ThreadPoolExecutor(min(LOAD_THREADS, len(by_file) or 1)) as pool:
+            for done in [pool.submit(read_file, f) for f in by_file]:
+                done.result()
     missing = [n for n in targets if n not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"{ckpt.path}: tensor(s) missing from checkpoint: {shown}")
+    return LoadStats(len(wanted), ckpt.bytes_read - before, time.monotonic() - start)
+
+
+def _load_one(ckpt: Checkpoint, st, name: str, target_name: str, targets) -> list[str]:
+    """Read checkpoint tensor `name` (this rank's part of it) into `targets[target_name]`;
+    the model names it filled."""
+    target = targets[target_name]
+    shard = getattr(target, "shard", None)
+    expected = tuple(target.shape) if shard is None else shard.full_shape(target.shape)
+    full = ckpt.shape(st, name)
+    if full != expected:
+        split = ""
+        if shard is not None and shard.parts > 1:
+            split = f" (split {shard.parts} ways on dim {shard.dim})"
+        raise ValueError(
+            f"{ckpt.path}: tensor {name!r} has shape {full} in the checkpoint "
+            f"but the model expects {expected}{split}"
+        )
+    index = None if shard is None else _index(full, shard)
+    t = ckpt.read(st, name, index)
+    filled = [target_name]
+    if target.dtype == FP8:  # FP8-resident: the float8 slice and its scale blocks
+        if t.dtype != FP8:
+            raise ValueError(
+                f"{ckpt.path}: tensor {name!r} is stored as {t.dtype}, not float8, but the "
+                "model keeps it FP8-resident; load with --weight_dtype bf16 (or float32)"
+            )
+        scale_target = targets[target_name + SCALE_SUFFIX]
+        blocks = scale_target.shard
+        scale = ckpt.read_scale(st, name, _block_index(blocks))
+        if tuple(scale.shape) != tuple(scale_target.shape):
+            raise ValueError(
+                f"{ckpt.path}: {name + SCALE_SUFFIX!r} covers {tuple(scale.shape)} blocks of "
+                f"this rank's slice; the model expects {tuple(scale_target.shape)}"
+            )
+        with torch.no_grad():
+            scale_target.copy_(scale)
+        filled.append(target_name + SCALE_SUFFIX)
+    elif t.dtype == FP8:  # dequantised on the way, slice by slice
+        offset = (0, 0) if shard is None else _offset(full, shard)
+        blocks = tuple(covering(o, n, b) for o, n, b in zip(offset, t.shape, ckpt.fp8.block))
+        t = ckpt._dequantize(name, t, ckpt.read_scale(st, name, blocks), torch.float32, offset)
+    with torch.no_grad():
+        target.copy_(t)  # copy_ casts to the target's dtype
+    return filled
+
+
+def _dense_where_stored_dense(model: nn.Module, ckpt: Checkpoint, wanted: dict[str, str]) -> None:
+    """An FP8-resident linear whose checkpoint tensor has no block scales (stored in a
+    plain dtype) holds its weight in the run dtype instead."""
+    for name, target in wanted.items():
+        module_name, _, leaf = target.rpartition(".")
+        if leaf != "weight" or name + SCALE_SUFFIX in ckpt.files:
+            continue
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            continue  # not the model's: reported as unexpected below
+        if getattr(module, "block", None) and hasattr(module, "hold_dense"):
+            module.hold_dense()
+
+
+def _index(full: tuple[int, ...], shard) -> tuple[slice, ...]:
+    start, n = shard.span(full[shard.dim])
+    return tuple(
+        slice(start, start + n) if d == shard.dim else slice(None) for d in range(len(full))
+    )
+
+
+def _offset(full: tuple[int, ...], shard) -> tuple[int, int]:
+    start, _ = shard.span(full[shard.dim])
+    return (start, 0) if shard.dim == 0 else (0, start)
+
+
+def _block_index(blocks) -> tuple[slice, ...]:
+    """The scale blocks an FP8-resident weight's slice touches (`BlockShard`)."""
+    offset = blocks.offset()
+    lens = (blocks.local_len(0), blocks.local_len(1))
+    return tuple(covering(o, n, b) for o, n, b in zip(offset, lens, blocks.block))
 
 
 def _remote_prefixes(model: nn.Module) -> set[str]:

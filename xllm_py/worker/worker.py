@@ -23,7 +23,7 @@ from xllm_py.models.deepseek_mtp import (
 )
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
 from xllm_py.spec.mtp_proposer import MTPProposer
-from xllm_py.weights.fp8 import Fp8Config
+from xllm_py.weights.fp8 import Fp8Config, fp8_gemm_available, fp8_resident
 from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
 from xllm_py.worker.attention_layout import RequestLayout, build_context
 from xllm_py.worker.graph_runner import GraphRunner
@@ -42,6 +42,29 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+def resident_fp8_block(config: EngineConfig, device: torch.device) -> tuple[int, int] | None:
+    """The FP8 block size when this worker keeps the checkpoint's FP8 weights resident
+    (--weight_dtype, config.py), None when it dequantises them at load (or has none)."""
+    fp8 = Fp8Config.from_quantization_config(config.model.quantization_config)
+    choice = config.device.weight_dtype
+    if fp8 is None:
+        if choice == "fp8":
+            raise ValueError(
+                "weight_dtype=fp8: the checkpoint is not FP8-quantised (its config.json has no "
+                "quantization_config)"
+            )
+        return None
+    if choice == "auto":
+        choice = "fp8" if not config.device.enable_graph and fp8_gemm_available(device) else ""
+    logger.info(
+        "FP8 checkpoint: weights %s",
+        f"kept FP8-resident ({fp8.block[0]}x{fp8.block[1]} block scales)"
+        if choice == "fp8"
+        else "dequantised at load",
+    )
+    return fp8.block if choice == "fp8" else None
+
+
 def load_target_model(
     config: EngineConfig,
     device: torch.device,
@@ -51,7 +74,8 @@ def load_target_model(
     """The target model, holding this rank's shard (`parallel`; default: all of it)."""
     mcfg = config.model
     ckpt = Checkpoint(mcfg.path, Fp8Config.from_quantization_config(mcfg.quantization_config))
-    with default_dtype(dtype), torch.device(device):
+    block = resident_fp8_block(config, device)
+    with default_dtype(dtype), torch.device(device), fp8_resident(block):
         model = DeepseekV3ForCausalLM(mcfg, parallel)
     n = mcfg.num_hidden_layers
 
@@ -59,7 +83,8 @@ def load_target_model(
         i = layer_index(name)
         return None if i is not None and i >= n else name
 
-    load_weights(model, ckpt, target_only)
+    stats = load_weights(model, ckpt, target_only)
+    logger.info("target weights: %s", stats)
     model.process_weights_after_loading()
     return model.eval()
 
@@ -89,13 +114,20 @@ def load_draft_model(
             f"num_speculative_tokens={k}: the draft has {num_mtp} MTP layers, and drafting past "
             f"the last one is supported only with a single MTP layer; use at most {num_mtp}"
         )
-    with default_dtype(dtype), torch.device(device):
+    # An exported draft is dequantised (tools/export_deepseek_mtp.py); the MTP layer in an
+    # FP8 checkpoint is held like the target's layers.
+    block = None if draft_path else resident_fp8_block(config, device)
+    with default_dtype(dtype), torch.device(device), fp8_resident(block):
         draft = DeepseekV3MTP(mcfg, target, num_mtp, parallel)
     mapping = draft_name_map(ckpt.names, mcfg.num_hidden_layers, num_mtp, exported=bool(draft_path))
-    load_weights(
-        draft, ckpt, lambda name: None if isinstance(mapping[name], tuple) else mapping[name]
+    stats = load_weights(
+        draft,
+        ckpt,
+        lambda name: None if isinstance(mapping[name], tuple) else mapping[name],
+        desc="loading the MTP draft",
     )
-    target_state = target.state_dict()
+    logger.info("MTP draft weights: %s", stats)
+    target_state = target.state_dict(keep_vars=True)  # with their `shard`: a vocab slice
     shared = [n for n, m in mapping.items() if isinstance(m, tuple)]
     for name, tensor in ckpt.tensors(shared, desc="checking shared tensors"):
         check_shared_copy(name, tensor, target_state[mapping[name][1]])

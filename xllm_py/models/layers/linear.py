@@ -11,6 +11,12 @@ tensor it holds:
 
 Rows grouped per head (q_b_proj, kv_b_proj) or per intermediate unit split
 contiguously, so a block of whole heads lands on each rank.
+
+FP8-resident (weights/fp8.py): a quantisable linear built inside `fp8_resident(block)`
+holds `weight` as float8 plus `weight_scale_inv`, the scale blocks its slice touches
+(`Shard.blocks` tells the loader which); after loading both become one `Fp8Weight`.
+Code that multiplies by a weight goes through `linear`, `cat_weights`, `stack_weights`
+and `dense`, which take either form.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_py.distributed.parallel import SINGLE, ParallelContext
+from xllm_py.weights.fp8 import FP8, Fp8Weight, block_index, fp8_linear, resident_block
 
 
 @dataclass(frozen=True)
@@ -40,22 +47,108 @@ class Shard:
         n = full.shape[self.dim] // self.parts
         return full.narrow(self.dim, self.rank * n, n)
 
+    def span(self, full_len: int) -> tuple[int, int]:
+        """(start, length) of this part along `dim`, in a tensor `full_len` long there."""
+        n = full_len // self.parts
+        return self.rank * n, n
+
+
+@dataclass(frozen=True)
+class BlockShard:
+    """The scale blocks an FP8 weight's `Shard` touches: `weight_shape` is the full
+    weight's, `block` the quantisation block."""
+
+    shard: Shard | None
+    weight_shape: tuple[int, int]
+    block: tuple[int, int]
+
+    def full_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(-(-n // b) for n, b in zip(self.weight_shape, self.block))
+
+    def offset(self) -> tuple[int, int]:
+        """(row, column) of the slice's first element in the full weight."""
+        if self.shard is None:
+            return 0, 0
+        start, _ = self.shard.span(self.weight_shape[self.shard.dim])
+        return (start, 0) if self.shard.dim == 0 else (0, start)
+
+    def local_len(self, dim: int) -> int:
+        n = self.weight_shape[dim]
+        return n if self.shard is None or self.shard.dim != dim else self.shard.span(n)[1]
+
 
 class Linear(nn.Module):
+    """Built inside `fp8_resident`, the weight starts FP8-resident; the loader turns it back
+    to the run dtype (`hold_dense`) if the checkpoint stores it unquantised (checkpoints
+    differ on e.g. the MTP layer's eh_proj)."""
+
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.block = resident_block()
+        self.dense_dtype = torch.get_default_dtype()
+        dtype = FP8 if self.block else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
+        )
+        if self.block:
+            self._scales(None)
+
+    def hold_dense(self) -> None:
+        """Hold the weight in the run dtype instead of FP8 (before loading)."""
+        shard = getattr(self.weight, "shard", None)
+        self.weight = nn.Parameter(
+            torch.empty(self.weight.shape, dtype=self.dense_dtype, device=self.weight.device),
+            requires_grad=False,
+        )
+        if shard is not None:
+            self.weight.shard = shard
+        del self.weight_scale_inv
+        self.block = None
+
+    def _scales(self, shard: Shard | None) -> None:
+        """(Re)declare `weight_scale_inv` for this rank's slice `shard` of the weight."""
+        full = (self.out_features, self.in_features)
+        if shard is not None:
+            full = shard.full_shape(full)
+        bs = BlockShard(shard, full, self.block)
+        rows, cols = (
+            -(-(o + n) // b) - o // b
+            for o, n, b in zip(bs.offset(), (bs.local_len(0), bs.local_len(1)), self.block)
+        )
+        self.register_buffer("weight_scale_inv", torch.empty(rows, cols, dtype=torch.float32))
+        self.weight_scale_inv.shard = bs
+
+    def shard_weight(self, shard: Shard) -> None:
+        self.weight.shard = shard
+        if self.block:
+            self._scales(shard)
 
     def process_weights_after_loading(self) -> None:
-        self.weight.data = gemm_layout(self.weight.data)
+        if isinstance(self.weight, Fp8Weight):
+            return  # done already (by a parent that needed the weight first)
+        if not self.block:
+            self.weight.data = gemm_layout(self.weight.data)
+            return
+        bs = self.weight_scale_inv.shard
+        (r0, c0), (n, m) = bs.offset(), self.weight.shape
+        w = Fp8Weight(
+            self.weight.data,
+            self.weight_scale_inv,
+            block_index(n, self.block[0], r0),
+            block_index(m, self.block[1], c0),
+            self.block,
+        )
+        del self.weight, self.weight_scale_inv
+        self.weight = w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}"
+        fmt = f", fp8 block={self.block}" if self.block else ""
+        return f"in={self.in_features}, out={self.out_features}{fmt}"
 
 
 class ColumnParallelLinear(Linear):
@@ -68,7 +161,7 @@ class ColumnParallelLinear(Linear):
             raise ValueError(
                 f"out_features={out_features} is not divisible by tp_size={parallel.tp_size}"
             )
-        self.weight.shard = Shard(0, parallel.tp_rank, parallel.tp_size)
+        self.shard_weight(Shard(0, parallel.tp_rank, parallel.tp_size))
 
 
 class RowParallelLinear(Linear):
@@ -87,13 +180,42 @@ class RowParallelLinear(Linear):
             raise ValueError(
                 f"in_features={in_features} is not divisible by tp_size={parallel.tp_size}"
             )
-        self.weight.shard = Shard(1, parallel.tp_rank, parallel.tp_size)
+        self.shard_weight(Shard(1, parallel.tp_rank, parallel.tp_size))
         self.parallel = parallel
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         return self.parallel.all_reduce(y) if self.reduce else y
+
+
+Weight = torch.Tensor | Fp8Weight
+
+
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x @ w^T for a run-dtype or FP8-resident weight."""
+    return fp8_linear(x, w) if isinstance(w, Fp8Weight) else F.linear(x, w)
+
+
+def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in `dtype` (dequantised if FP8-resident), for code that reshapes it."""
+    return w.dequant(dtype) if isinstance(w, Fp8Weight) else w
+
+
+def cat_weights(parts: list[Weight]) -> Weight:
+    """Matrices fused along their output rows, in the form they are held."""
+    if all(isinstance(p, Fp8Weight) for p in parts):
+        return Fp8Weight.cat(parts)
+    # run-dtype parts (an FP8 part beside a checkpoint's unquantised one is dequantised)
+    dtype = next(p.dtype for p in parts if not isinstance(p, Fp8Weight))
+    return gemm_layout(torch.cat([dense(p, dtype) for p in parts]))
+
+
+def stack_weights(parts: list[Weight]) -> Weight:
+    """Experts' matrices stacked on a new leading dim, in the form they are held."""
+    if isinstance(parts[0], Fp8Weight):
+        return Fp8Weight.stack(parts)
+    return gemm_layout(torch.stack(parts))
 
 
 def gemm_layout(w: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,9 @@ from xllm_py.models.layers.linear import (
     ColumnParallelLinear,
     Linear,
     RowParallelLinear,
-    gemm_layout,
+    cat_weights,
+    dense,
+    linear,
 )
 from xllm_py.models.layers.norm import RMSNorm
 from xllm_py.models.layers.rope import apply_rope
@@ -72,22 +74,25 @@ class MLAttention(nn.Module):
     def process_weights_after_loading(self) -> None:
         # Every projection that reads x runs as one matmul: [q (or q_a) | c_kv | k_pe].
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
-        self.w_in = gemm_layout(torch.cat([first.weight, self.kv_a_proj_with_mqa.weight]))
+        for lin in (first, self.kv_a_proj_with_mqa, self.kv_b_proj):
+            lin.process_weights_after_loading()
+        self.w_in = cat_weights([first.weight, self.kv_a_proj_with_mqa.weight])
         self.q_in_dim = first.weight.shape[0]
         if self.q_lora_rank is None:
             del self.q_proj
         else:
             del self.q_a_proj
         del self.kv_a_proj_with_mqa
-        w = self.kv_b_proj.weight.view(
-            self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank
-        )
+        # The absorbed forms' copies stay in the run dtype (small next to the experts), and
+        # kv_b_proj keeps its own form for the expanded path.
+        w = dense(self.kv_b_proj.weight, self.kv_a_layernorm.weight.dtype)
+        w = w.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk = w[:, : self.nope_dim, :].contiguous()  # [H, nope, kv_lora]
         self.w_uv = w[:, self.nope_dim :, :].transpose(1, 2).contiguous()  # [H, kv_lora, v]
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        q, c_kv, k_pe = F.linear(x, self.w_in).split(
+        q, c_kv, k_pe = linear(x, self.w_in).split(
             [self.q_in_dim, self.kv_lora_rank, self.rope_dim], dim=-1
         )
         if self.q_lora_rank is not None:

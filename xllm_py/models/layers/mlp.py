@@ -17,12 +17,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_py.distributed.parallel import SINGLE, ParallelContext
-from xllm_py.models.layers.linear import ColumnParallelLinear, RowParallelLinear, gemm_layout
+from xllm_py.models.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    Weight,
+    cat_weights,
+    linear,
+)
 
 
-def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+def swiglu(x: torch.Tensor, w13: Weight, w2: Weight) -> torch.Tensor:
+    gate, up = linear(x, w13).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w2)
 
 
 class MLP(nn.Module):
@@ -46,10 +52,13 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel, reduce=False)
         self.parallel = parallel
         self.reduce = reduce
-        self.w13: torch.Tensor | None = None
+        self.w13: Weight | None = None
 
     def process_weights_after_loading(self) -> None:
-        self.w13 = gemm_layout(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        # (the model visits parents first: the two linears' weights are still as loaded)
+        self.gate_proj.process_weights_after_loading()
+        self.up_proj.process_weights_after_loading()
+        self.w13 = cat_weights([self.gate_proj.weight, self.up_proj.weight])
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

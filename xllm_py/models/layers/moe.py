@@ -28,7 +28,7 @@ from torch import nn
 
 from xllm_py.config import ModelConfig
 from xllm_py.distributed.parallel import SINGLE, ParallelContext
-from xllm_py.models.layers.linear import gemm_layout
+from xllm_py.models.layers.linear import Weight, cat_weights, dense, stack_weights
 from xllm_py.models.layers.mlp import MLP, swiglu
 
 # Up to this many (token, expert) assignments, experts run pair by pair (see _routed_small).
@@ -111,17 +111,21 @@ class MoE(nn.Module):
             if cfg.n_shared_experts
             else None
         )
-        self.w13: torch.Tensor | None = None  # [E_local, 2 * inter_local, hidden] after loading
-        self.w2: torch.Tensor | None = None  # [E_local, hidden, inter_local]
+        self.w13: Weight | None = None  # [E_local, 2 * inter_local, hidden] after loading
+        self.w2: Weight | None = None  # [E_local, hidden, inter_local]
+        self.fp8 = False  # FP8-resident expert stacks
 
     def process_weights_after_loading(self) -> None:
         # Runs before the model visits children: the per-expert modules are gone by then.
         # The shared experts are processed on their own.
-        experts = list(self.experts.values())
-        self.w13 = gemm_layout(
-            torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
-        )
-        self.w2 = gemm_layout(torch.stack([e.down_proj.weight for e in experts]))
+        w13, w2 = [], []
+        for e in self.experts.values():
+            for lin in (e.gate_proj, e.up_proj, e.down_proj):
+                lin.process_weights_after_loading()
+            w13.append(cat_weights([e.gate_proj.weight, e.up_proj.weight]))
+            w2.append(e.down_proj.weight)
+        self.w13, self.w2 = stack_weights(w13), stack_weights(w2)
+        self.fp8 = not isinstance(self.w13, torch.Tensor)
         del self.experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,6 +141,8 @@ class MoE(nn.Module):
             return self._routed_gathered(x, weights, ids)  # graph mode, few tokens
         if not torch.compiler.is_compiling() and ids.numel() <= SMALL_BATCH_ASSIGNMENTS:
             return self._routed_small(x, weights, ids)
+        if self.fp8:  # the same loop as the op, over FP8-resident stacks (eager only)
+            return grouped_experts(x, weights, ids, self.w13, self.w2, self.first_expert)
         return routed_grouped(x, weights, ids, self.w13, self.w2, self.first_expert)
 
     def _routed_small(
@@ -166,9 +172,10 @@ class MoE(nn.Module):
         owned = (local >= 0) & (local < self.num_local_experts)
         idx = torch.where(owned, local, 0).view(-1)  # [A = T * top_k]
         xa = x.unsqueeze(1).expand(T, top_k, x.shape[1]).reshape(T * top_k, -1, 1)
-        gate, up = torch.bmm(self.w13[idx], xa).squeeze(-1).chunk(2, dim=-1)  # [A, I] each
+        w13, w2 = dense(self.w13[idx], x.dtype), dense(self.w2[idx], x.dtype)
+        gate, up = torch.bmm(w13, xa).squeeze(-1).chunk(2, dim=-1)  # [A, I] each
         act = F.silu(gate) * up * torch.where(owned, weights, 0).view(-1, 1)
-        y = torch.bmm(self.w2[idx], act.unsqueeze(-1)).view(T, top_k, -1)
+        y = torch.bmm(w2, act.unsqueeze(-1)).view(T, top_k, -1)
         return y.sum(dim=1)
 
 
@@ -190,6 +197,11 @@ def routed_grouped(
     runs it as eager code does (measured against a static dense form, every expert over
     every token: docs/graph_mode.md). Called as an op in eager code too; the dispatch
     costs nothing measurable next to the experts."""
+    return grouped_experts(x, weights, ids, w13, w2, first_expert)
+
+
+def grouped_experts(x, weights, ids, w13: Weight, w2: Weight, first_expert: int) -> torch.Tensor:
+    """The body of `routed_grouped`, for run-dtype or FP8-resident expert stacks."""
     top_k, n_local = ids.shape[1], w13.shape[0]
     flat_ids = ids.view(-1) - first_expert  # local expert ids; another rank's -> n_local
     flat_ids = flat_ids.masked_fill((flat_ids < 0) | (flat_ids >= n_local), n_local)
