@@ -8,6 +8,9 @@ CUDA device. Without one every test here is skipped with the reason.
   tokens on held-out ShareGPT prompts (bundled model, float32).
 - The REST daemon on a GPU with MTP on serves what the offline API gives.
 - A 1-GPU "cluster" through scripts/launch_cluster.sh serves a completion.
+- The KV cache is sized after the profiling forward of the largest step, within
+  --max_memory_utilization of the device's memory.
+- FP8-resident weights on CUDA follow the dequantised model.
 Graph mode on CUDA is in test_graph_mode.py (also marked `gpu`).
 """
 
@@ -168,3 +171,28 @@ def test_kv_cache_sized_after_profiling_the_largest_step():
     # in use now includes the cache; 64 MiB for the CUDA context's and allocator's slack
     assert total - free + peak <= 0.5 * total + 2**26
     assert cache > 0
+
+
+def test_fp8_resident_on_cuda_follows_the_dequantised_model(tmp_path):
+    """An FP8 checkpoint on CUDA, weights FP8-resident (the block-scaled GEMM where the
+    start-up probe accepted it, else the reference) against the same weights dequantised
+    to bfloat16 at load: the first generated token's logprob within the bf16 tolerance
+    plus activation quantisation's (0.25)."""
+    from tools.make_random_checkpoint import make_random_checkpoint
+    from xllm_py.weights.fp8 import Fp8Weight, fp8_gemm_available
+
+    path = make_random_checkpoint(
+        tmp_path / "fp8", dict(hidden_size=256, moe_intermediate_size=128), fp8_block=(128, 128)
+    )
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8 + i]} for i in range(4)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    firsts = {}
+    for wd in ("bf16", "fp8"):
+        llm = LLM(model=str(path), device=DEVICE, dtype="bfloat16", weight_dtype=wd)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        firsts[wd] = [o.logprobs[0][o.token_ids[0]] for o in outs]
+        if wd == "fp8":
+            w13 = llm.engine.core.executor.worker.model.model.layers[1].mlp.w13
+            assert isinstance(w13, Fp8Weight) and w13.data.device.type == "cuda"
+    print("block-scaled FP8 GEMM in use:", fp8_gemm_available(torch.device(DEVICE)))
+    assert max(abs(a - b) for a, b in zip(firsts["bf16"], firsts["fp8"])) < 0.25
