@@ -6,7 +6,7 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup test test-gpu serve lint clean proto mutation
+.PHONY: setup test test-gpu gpu-report serve lint clean proto mutation
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ test: setup
 test-gpu: setup
 	@$(VPY) -c "import torch; torch.cuda.is_available() or print('make test-gpu: no CUDA device here, every GPU test is skipped')"
 	$(VPY) -m pytest -m gpu -rs tests
+
+# GPU decode report (perf/README.md): a random ~2.6B DeepSeek-V3-shaped checkpoint with MTP,
+# bf16 and FP8, -> perf/results/gpu/<device>.json. Without CUDA it runs the tiny preset on CPU.
+gpu-report: setup
+	$(VPY) perf/gpu_report.py $(ARGS)
 
 serve: setup
 	$(VPY) -m xllm_py --num_speculative_tokens=1 $(ARGS)

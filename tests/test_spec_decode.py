@@ -13,6 +13,7 @@ import pytest
 from tests.test_engine import WITH_LOGPROBS, cached_prefix_tokens, chosen_logprobs
 from tools.make_random_checkpoint import make_random_checkpoint
 from xllm_py import LLM, SamplingParams
+from xllm_py.spec.oracle import OracleProposer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -50,22 +51,6 @@ def follow_up(ckpt, prompts, baseline):
     llm = LLM(model=str(ckpt), dtype="float32", block_size=16, enable_prefix_cache=False)
     out = llm.generate({"prompt_token_ids": prompt}, WITH_LOGPROBS)[0].outputs[0]
     return prompt, out.token_ids, chosen_logprobs(out)
-
-
-class OracleProposer:
-    """Proposes the next k tokens of the known greedy continuation: always accepted."""
-
-    def __init__(self, runner, reference: dict[tuple, list[int]], k: int) -> None:
-        self.runner, self.reference, self.k = runner, reference, k
-
-    def propose(self, items, hidden):
-        out = []
-        for it in items:
-            req = self.runner.requests[it.req_id]
-            full = self.reference[tuple(req.token_ids[: req.num_prompt_tokens])]
-            n = it.start + len(it.rows) + 1  # verified tokens + the one just sampled
-            out.append(full[n : n + self.k] if it.wants_drafts else [])
-        return out
 
 
 def with_oracle(llm, prompts, baseline, k):

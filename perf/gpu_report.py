@@ -1,0 +1,663 @@
+#!/usr/bin/env python3
+"""GPU decode report in one command, on a random DeepSeek-V3-shaped checkpoint with MTP.
+
+    python perf/gpu_report.py                                # CUDA: ~2.6B parameters, bf16 + FP8
+    python perf/gpu_report.py --formats bf16 --batch-sizes 1 8 --k 1
+    python perf/gpu_report.py --preset tiny --device cpu     # the same pipeline, tiny, on CPU
+
+tools/make_random_checkpoint.py writes the checkpoint (with one MTP layer) in each format
+of --formats: bf16, and FP8 block-quantised. The JSON says how the loader held the weights
+(`weights_in_memory_dtype`, bytes by dtype): FP8 expanded to the run dtype at load, or FP8.
+Random prompt ids (fixed seed), greedy, EOS ignored, prefix cache off. For each format:
+
+  decode tok/s   batch * (new_tokens - 1) / decode seconds at each batch size; the prefill
+                 step is timed apart and left out (as perf/bench_offline.py); after an
+                 untimed run of the same batch
+  step split     ms per decode step in the target's MLA layers (attention), its MoE layers,
+                 its dense MLP layers, its head (lm_head logits), the draft (the proposer:
+                 MTP layer and its head) and the rest (scheduling, sampling, verification,
+                 Python); CUDA events on a GPU, the clock on CPU; a separate run, so the
+                 timed run carries no instrumentation
+  roofline       at batch 1: the bytes a decode step must read (the weights one token
+                 touches: embedding row, attention, dense MLP, router, shared and top-k
+                 routed experts, norms, head, in the dtype held, `*proj` matrices at 1 byte
+                 plus block scales when held in FP8; plus the KV it attends over) / step time,
+                 as a fraction of peak memory bandwidth (datasheet by device name, or
+                 --hbm-gbps, or else measured here by a copy, which the JSON says)
+  MTP step cost  for each k of --k, an oracle draft (xllm_py/spec/oracle.py: the plain
+                 run's continuation) while the real MTP layer still runs each step for its
+                 cost: ms per MTP step / ms per plain step at the same batch, tokens per
+                 step. Emitted tokens are pinned to the plain run's, so every draft is
+                 accepted whatever the weights and however a (k + 1)-row pass rounds
+                 (bfloat16 near-ties); `verification_agreement` is the fraction of them the
+                 verification chose by itself (1.0: the plain run's tokens exactly)
+
+Progress is printed as it goes, a table at the end; JSON goes to
+perf/results/gpu/<device>.json (<device>-<preset>.json for a preset other than gpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import itertools
+import json
+import platform
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from perf.bench_offline import prompts_for  # noqa: E402
+from tools.make_random_checkpoint import BASE_CONFIG, make_random_checkpoint  # noqa: E402
+
+PRESETS = {
+    # DeepSeek-V3's layout at hidden 2048 (V2-Lite's width), experts at half its 1408.
+    "gpu": dict(
+        overrides=dict(
+            vocab_size=32000,
+            hidden_size=2048,
+            intermediate_size=10944,
+            moe_intermediate_size=704,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            n_routed_experts=64,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+            first_k_dense_replace=1,
+            max_position_embeddings=4096,
+            rope_scaling=dict(BASE_CONFIG["rope_scaling"], original_max_position_embeddings=1024),
+        ),
+        fp8_block=(128, 128),
+    ),
+    "tiny": dict(overrides={}, fp8_block=(32, 32)),  # make_random_checkpoint's own dims
+}
+# Datasheet peak memory bandwidth: (words all in torch.cuda.get_device_name, bytes/s).
+PEAK_BANDWIDTH = [
+    (("H200",), 4.8e12),
+    (("H100", "PCIe"), 2.0e12),
+    (("H100", "NVL"), 3.9e12),
+    (("H100",), 3.35e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    (("A100", "80GB"), 2.0e12),
+]
+BLOCK = 128  # KV cache block size (the engine's default)
+LABELS = ("attention", "moe", "dense_mlp", "head", "draft")
+FORMATS = ["bf16", "fp8"]
+_ids = itertools.count()
+
+
+def param_counts(cfg: dict) -> dict:
+    """From config.json's fields: parameters of the target, of its MTP layers (embedding
+    and head are the target's), those one token reads at decode, of which `*proj` matrices
+    (what an FP8 checkpoint quantises) and float32 router."""
+    h, heads, kv_lora, rope = (
+        cfg[n] for n in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim")
+    )
+    qk, q_lora, v = cfg["qk_nope_head_dim"] + rope, cfg.get("q_lora_rank"), cfg["v_head_dim"]
+    attn = h * q_lora + q_lora * heads * qk if q_lora else h * heads * qk
+    attn += h * (kv_lora + rope) + kv_lora * heads * (qk - rope + v) + heads * v * h
+    norms = (q_lora or 0) + kv_lora + 2 * h  # MLA's two norms, the layer's two
+    experts, expert = cfg["n_routed_experts"], 3 * h * cfg["moe_intermediate_size"]
+    router = experts * h + experts
+    n, first = cfg["num_hidden_layers"], cfg.get("first_k_dense_replace", 0)
+
+    def is_moe(i: int) -> bool:
+        return experts > 0 and i >= first and i % cfg.get("moe_layer_freq", 1) == 0
+
+    def proj(i: int, active: bool) -> int:
+        if not is_moe(i):
+            return attn + 3 * h * cfg["intermediate_size"]
+        routed = cfg["num_experts_per_tok"] if active else experts
+        return attn + (cfg["n_shared_experts"] + routed) * expert
+
+    def layer(i: int, active: bool = False) -> int:
+        return proj(i, active) + norms + router * is_moe(i)
+
+    vocab_h, num_mtp = cfg["vocab_size"] * h, cfg.get("num_nextn_predict_layers", 0)
+    target = vocab_h * (1 if cfg.get("tie_word_embeddings") else 2) + h
+    target += sum(layer(i) for i in range(n))
+    mtp = sum(layer(i) + 2 * h * h + 3 * h for i in range(n, n + num_mtp))
+    return {
+        "target": target,
+        "mtp": mtp,
+        "total": target + mtp,
+        "active_per_token": h + sum(layer(i, True) for i in range(n)) + h + vocab_h,
+        "active_proj": sum(proj(i, True) for i in range(n)),
+        "float32_router": router * sum(map(is_moe, range(n))),
+    }
+
+
+def table_bandwidth(name: str) -> float | None:
+    return next((bw for words, bw in PEAK_BANDWIDTH if all(w in name for w in words)), None)
+
+
+def millions(n: int) -> str:
+    return f"{n / 1e6:,.1f}M"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of the best of 5 copies of 128 MiB (read + write)."""
+    a = torch.ones(32 * 2**20, device=device)
+    b, best = torch.empty_like(a), float("inf")
+    for _ in range(5):
+        sync(device)
+        t = time.perf_counter()
+        b.copy_(a)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.numel() * a.element_size() / best
+
+
+def peak_bandwidth(args, device: torch.device, name: str) -> dict:
+    if args.hbm_gbps:
+        return {"bytes_per_s": args.hbm_gbps * 1e9, "source": "--hbm-gbps"}
+    if device.type == "cuda" and table_bandwidth(name):
+        return {"bytes_per_s": table_bandwidth(name), "source": f"datasheet peak of {name}"}
+    return {
+        "bytes_per_s": copy_bandwidth(device),
+        "source": "measured here (best of 5 copies of 128 MiB, read + write), not a "
+        "datasheet peak; pass --hbm-gbps for one",
+    }
+
+
+def checkpoint(work: Path, preset: str, fmt: str, seed: int) -> Path:
+    """The preset's random checkpoint in `fmt`, built once per work dir: a stamp records
+    what was asked, and a directory without a matching stamp is rebuilt."""
+    spec = PRESETS[preset]
+    fp8 = spec["fp8_block"] if fmt == "fp8" else None
+    stamp = json.dumps([preset, fmt, seed, spec["overrides"], fp8], sort_keys=True)
+    path = work / f"{preset}-{fmt}"
+    if (path / "gpu_report_stamp.json").is_file():
+        if (path / "gpu_report_stamp.json").read_text() == stamp:
+            print(f"reusing the {fmt} checkpoint in {path}", flush=True)
+            return path
+    shutil.rmtree(path, ignore_errors=True)
+    t = time.perf_counter()
+    make_random_checkpoint(
+        path, spec["overrides"], num_mtp=1, fp8_block=fp8, seed=seed, dtype=torch.bfloat16
+    )
+    (path / "gpu_report_stamp.json").write_text(stamp)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    print(
+        f"wrote the {fmt} checkpoint ({size / 2**30:.2f} GiB) to {path} in "
+        f"{time.perf_counter() - t:.0f} s",
+        flush=True,
+    )
+    return path
+
+
+def make_llm(path: Path, cfg: dict, args, dtype: torch.dtype, k: int):
+    """An engine whose KV cache holds exactly the largest batch (never the whole device)."""
+    from xllm_py import LLM
+
+    big = max(args.batch_sizes)
+    blocks = big * -(-(args.prompt_len + args.new_tokens + k + 1) // BLOCK) + 1
+    layers = cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"]
+    per_block = layers * BLOCK * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+    return LLM(
+        model=str(path),
+        device=args.device,
+        dtype=str(dtype).removeprefix("torch."),
+        block_size=BLOCK,
+        enable_prefix_cache=False,
+        max_seqs_per_batch=big,
+        max_tokens_per_batch=max(8192, big * (args.prompt_len + k + 1)),
+        max_cache_size=blocks * per_block * dtype.itemsize,
+        num_speculative_tokens=k,
+        seed=args.seed,
+    )
+
+
+def decode_run(llm, prompts, new_tokens: int, device: torch.device, split=None) -> dict:
+    """One batch through the engine: the prefill step, then decode steps to the end."""
+    from xllm_py import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    engine, before = llm.engine, llm.get_metrics()
+    ids = [f"r{next(_ids)}" for _ in prompts]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": p}, params)
+    sync(device)
+    t0 = time.perf_counter()
+    outs, steps = engine.step(), 0
+    sync(device)
+    t1 = time.perf_counter()
+    if split is not None:
+        split.on = True
+    while engine.has_unfinished():
+        outs += engine.step()
+        steps += 1
+    sync(device)
+    t2 = time.perf_counter()
+    if split is not None:
+        split.on = False
+    done = {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
+    m = llm.get_metrics()
+    return {
+        "prefill_s": t1 - t0,
+        "decode_s": t2 - t1,
+        "decode_steps": steps,
+        "tokens": [done[r] for r in ids],
+        "drafts": m.drafts - before.drafts,
+        "draft_tokens": m.draft_tokens - before.draft_tokens,
+        "accepted": m.accepted_tokens - before.accepted_tokens,
+    }
+
+
+class StepSplit:
+    """Time in labelled parts of decode steps: CUDA event pairs (read after the run, so
+    nothing in a step waits on them) or, on CPU, the clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda, self.spans, self.on, self.in_draft = device.type == "cuda", [], False, False
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, label: str, start) -> None:
+        self.spans.append((label, start, self.mark()))
+
+    def total_ms(self) -> dict:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = dict.fromkeys(LABELS, 0.0)
+        for label, s, e in self.spans:
+            out[label] += s.elapsed_time(e) if self.cuda else 1000 * (e - s)
+        return out
+
+
+def _timed(fn, label: str, split: StepSplit):
+    def run(*a, **kw):
+        if not split.on or split.in_draft:
+            return fn(*a, **kw)
+        start, split.in_draft = split.mark(), label == "draft"
+        try:
+            return fn(*a, **kw)
+        finally:
+            split.in_draft = False
+            split.add(label, start)
+
+    return run
+
+
+@contextlib.contextmanager
+def instrumented(llm, split: StepSplit):
+    """Hooks on the target's MLA and MLP/MoE modules, wrappers on its head and on the
+    proposer, timing while `split.on`; the head called from the draft counts as draft."""
+    from xllm_py.models.layers.moe import MoE
+
+    worker = llm.engine.core.executor.worker
+    model, proposer, starts, handles = worker.model, worker.runner.proposer, {}, []
+
+    def pre(mod, _args):
+        if split.on and not split.in_draft:
+            starts[mod] = split.mark()
+
+    def post(label):
+        def hook(mod, _args, _out):
+            if mod in starts:
+                split.add(label, starts.pop(mod))
+
+        return hook
+
+    for lay in model.model.layers:
+        mlp = "moe" if isinstance(lay.mlp, MoE) else "dense_mlp"
+        for mod, label in ((lay.self_attn, "attention"), (lay.mlp, mlp)):
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post(label))]
+    wrapped = [(model, "compute_logits", "head")]
+    if proposer is not None:
+        wrapped.append((proposer, "propose", "draft"))
+    for obj, name, label in wrapped:
+        setattr(obj, name, _timed(getattr(obj, name), label, split))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for obj, name, _ in wrapped:
+            delattr(obj, name)  # the class's method again
+
+
+def step_split(llm, prompts, new_tokens: int, device: torch.device) -> dict:
+    split = StepSplit(device)
+    with instrumented(llm, split):
+        r = decode_run(llm, prompts, new_tokens, device, split)
+    step = 1000 * r["decode_s"] / r["decode_steps"]
+    ms = {label: v / r["decode_steps"] for label, v in split.total_ms().items()}
+    ms["other"] = max(step - sum(ms.values()), 0.0)
+    return {"step_ms": step, "ms": ms, "fraction": {k: v / step for k, v in ms.items()}}
+
+
+def install_oracle(llm, reference: dict, k: int) -> list[int]:
+    """The oracle draft in front of the real MTP proposer, and every emitted token pinned to
+    the reference (the plain run's): the verification still runs at full cost, but a near-tie
+    that rounds the other way in a (k + 1)-row pass (bfloat16; on a GPU the MoE sums by
+    atomics) cannot put a request off the reference, after which the oracle could propose
+    nothing right. Returns [tokens the verification chose itself, tokens emitted], counted
+    as they go."""
+    from xllm_py.spec.oracle import OracleProposer
+
+    runner = llm.engine.core.executor.worker.runner
+    runner.proposer = OracleProposer(runner, reference, k, inner=runner.proposer)
+    sample, tally = runner._sample, [0, 0]
+
+    def pinned(req_ids, sample_reqs, logits, spec):
+        out = sample(req_ids, sample_reqs, logits, spec)
+        for i, got in enumerate(out.sampled_token_ids):
+            req = runner.requests[req_ids[i]]
+            n, full = len(req.token_ids), reference[tuple(req.token_ids[: req.num_prompt_tokens])]
+            want = (full[n : n + len(spec.get(req_ids[i], [])) + 1] or got) if got else got
+            same = [a == b for a, b in zip(got, want)] + [False]
+            tally[0] += same.index(False)  # the verification's own tokens, up to a difference
+            tally[1] += len(want)
+            out.sampled_token_ids[i] = want
+        return out
+
+    runner._sample = pinned
+    return tally
+
+
+def bench_engine(llm, k: int, args, device, vocab: int, plain: dict, reference: dict) -> list:
+    """Every batch size on one engine (k drafts; k = 0 records the plain baseline)."""
+    rows, tally = [], install_oracle(llm, reference, k) if k else None
+    for b in args.batch_sizes:
+        prompts = prompts_for(b, args.prompt_len, vocab)
+        decode_run(llm, prompts, args.new_tokens, device)  # warm-up: every shape of the run
+        agreed, emitted = tally or (0, 0)
+        r = decode_run(llm, prompts, args.new_tokens, device)
+        step_ms = 1000 * r["decode_s"] / r["decode_steps"]
+        row = {
+            "k": k,
+            "batch": b,
+            "decode_tok_s": b * (args.new_tokens - 1) / r["decode_s"],
+            "step_ms": step_ms,
+            "decode_steps": r["decode_steps"],
+            "tokens_per_step": (args.new_tokens - 1) / r["decode_steps"],
+            "prefill_s": r["prefill_s"],
+        }
+        if k == 0:
+            plain[b] = row
+            reference.update({tuple(p): p + t for p, t in zip(prompts, r["tokens"])})
+        else:
+            base = plain[b]
+            row.update(
+                step_cost_vs_plain=step_ms / base["step_ms"],
+                speedup_vs_plain=row["decode_tok_s"] / base["decode_tok_s"],
+                acceptance_rate=r["accepted"] / max(r["draft_tokens"], 1),
+                mean_acceptance_length=1 + r["accepted"] / max(r["drafts"], 1),
+                verification_agreement=(tally[0] - agreed) / (tally[1] - emitted),
+            )
+        row["split"] = step_split(llm, prompts, args.new_tokens, device)
+        print(
+            f"  k={k} batch {b:>3}: {row['decode_tok_s']:9.1f} tok/s  step {step_ms:7.2f} ms"
+            f"  {row['tokens_per_step']:.2f} tok/step  split: "
+            + " ".join(f"{n} {100 * f:.0f}%" for n, f in row["split"]["fraction"].items()),
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+def resident_bytes(model) -> dict:
+    """Bytes of the model's real-valued tensors as held in memory, by dtype: parameters,
+    buffers and the tensors layers keep as plain attributes after re-laying their weights."""
+    seen, out = set(), {}
+    for mod in model.modules():
+        for t in [*mod._parameters.values(), *mod._buffers.values(), *vars(mod).values()]:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                name = str(t.dtype).removeprefix("torch.")
+                out[name] = out.get(name, 0) + t.numel() * t.element_size()
+    return out
+
+
+def roofline(cfg, counts, args, itemsize: int, fp8_block, step_ms: float, peak: dict) -> dict:
+    """`fp8_block`: the block when the `*proj` matrices are held in FP8 (a float32 scale per
+    block), else None (held in the run dtype, of `itemsize` bytes)."""
+    proj_bytes = 1 + 4 / (fp8_block[0] * fp8_block[1]) if fp8_block else itemsize
+    router = counts["float32_router"]
+    rest = counts["active_per_token"] - counts["active_proj"] - router  # embedding row, norms, head
+    weights = counts["active_proj"] * proj_bytes + rest * itemsize + router * 4
+    context = args.prompt_len + args.new_tokens / 2  # mean context of the decode steps
+    kv = cfg["num_hidden_layers"] * context * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+    kv_bytes = kv * itemsize
+    achieved = (weights + kv_bytes) / (step_ms / 1000)
+    return {
+        "weight_bytes_per_step": weights,
+        "proj_bytes_per_parameter": proj_bytes,
+        "kv_bytes_per_step": kv_bytes,
+        "step_ms": step_ms,
+        "achieved_bytes_per_s": achieved,
+        "peak_bytes_per_s": peak["bytes_per_s"],
+        "peak_source": peak["source"],
+        "fraction_of_peak": achieved / peak["bytes_per_s"],
+    }
+
+
+def bench_format(fmt: str, path: Path, args, device, dtype, counts, peak) -> dict:
+    cfg = json.loads((path / "config.json").read_text())
+    plain, reference, rows, load_s = {}, {}, [], {}
+    for k in [0] + args.k:
+        t = time.perf_counter()
+        llm = make_llm(path, cfg, args, dtype, k)
+        load_s[k] = time.perf_counter() - t
+        held = resident_bytes(llm.engine.core.executor.worker.model)
+        in_memory = max(held, key=held.get)
+        mib = ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in held.items())
+        print(f"{fmt}, k={k}: engine ready in {load_s[k]:.1f} s; target weights: {mib}", flush=True)
+        rows += bench_engine(llm, k, args, device, cfg["vocab_size"], plain, reference)
+        llm.engine.core.shutdown()
+        del llm
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = {
+        "checkpoint": str(path),
+        "fp8_block": cfg.get("quantization_config", {}).get("weight_block_size"),
+        "weights_in_memory_dtype": in_memory,
+        "weights_in_memory_bytes": held,
+        "engine_start_s": load_s,
+        "decode_tok_s": {b: row["decode_tok_s"] for b, row in plain.items()},
+        "roofline_batch1": None,
+        "runs": rows,
+    }
+    if 1 in plain:
+        block = out["fp8_block"] if any(n.startswith("float8") for n in held) else None
+        step_ms = plain[1]["step_ms"]
+        out["roofline_batch1"] = roofline(cfg, counts, args, dtype.itemsize, block, step_ms, peak)
+    return out
+
+
+def print_table(result: dict) -> None:
+    print(
+        f"\n{result['device']['name']}, {result['preset']} preset "
+        f"({millions(result['parameters']['total'])} parameters), run dtype "
+        f"{result['run_dtype']}, prompt {result['prompt_len']}, {result['new_tokens']} new"
+    )
+    cols = "  ".join(f"{n[:6]:>6}" for n in (*LABELS, "other"))
+    print(
+        f"{'format':6} {'k':>2} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'tok/st':>6} "
+        f"{'cost':>5} {'agree':>6}  {cols}"
+    )
+    for fmt, res in result["formats"].items():
+        for r in res["runs"]:
+            cost = f"{r['step_cost_vs_plain']:5.2f}" if r["k"] else "    -"
+            acc = f"{r['verification_agreement']:6.3f}" if r["k"] else "     -"
+            fr = "  ".join(f"{100 * r['split']['fraction'][n]:5.1f}%" for n in (*LABELS, "other"))
+            print(
+                f"{fmt:6} {r['k']:>2} {r['batch']:>5} {r['decode_tok_s']:10.1f} "
+                f"{r['step_ms']:8.2f} {r['tokens_per_step']:6.2f} {cost} {acc}  {fr}"
+            )
+        roof = res["roofline_batch1"]
+        if roof:
+            print(
+                f"{fmt}: batch 1 reads {roof['weight_bytes_per_step'] / 2**20:.1f} MiB weights"
+                f" + {roof['kv_bytes_per_step'] / 2**20:.2f} MiB KV per step: "
+                f"{roof['achieved_bytes_per_s'] / 1e9:.1f} GB/s = "
+                f"{100 * roof['fraction_of_peak']:.2f}% of {roof['peak_bytes_per_s'] / 1e9:.0f}"
+                f" GB/s ({roof['peak_source']})"
+            )
+        if any(r["verification_agreement"] < 1 for r in res["runs"] if r["k"]):
+            print(
+                f"{fmt}: the verification chose other tokens than the plain run somewhere "
+                "(agree < 1: rounding in the (k + 1)-row pass); the emitted ones were pinned"
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = ap.add_argument
+    add(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda[:N] or cpu (default: cuda when one is visible)",
+    )
+    add(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="model dims: gpu (~2.6B parameters, DeepSeek-V3's layout) or tiny "
+        "(make_random_checkpoint's, for CPU); default: gpu on CUDA, tiny on CPU",
+    )
+    add(
+        "--formats",
+        nargs="+",
+        choices=FORMATS,
+        default=FORMATS,
+        help="checkpoint formats to build and measure (bf16, FP8 block-quantised)",
+    )
+    add(
+        "--dtype",
+        default="auto",
+        help="run dtype: auto (bfloat16 on a GPU, float32 on CPU, as the engine), or a name",
+    )
+    add(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 8, 32, 128],
+        help="concurrent sequences of each run; batch 1 gives the roofline figure",
+    )
+    add(
+        "--k",
+        type=int,
+        nargs="*",
+        default=[1, 3],
+        help="draft tokens per step of the oracle MTP runs (none: plain decoding only)",
+    )
+    add("--prompt-len", type=int, default=64, help="prompt tokens per sequence (random ids)")
+    add("--new-tokens", type=int, default=128, help="tokens generated per sequence")
+    add(
+        "--hbm-gbps",
+        type=float,
+        help="peak memory bandwidth in GB/s for the roofline (default: the datasheet figure "
+        "by GPU name, else a copy measured on the device)",
+    )
+    add(
+        "--work-dir",
+        type=Path,
+        help="build the checkpoints here and reuse them in later runs (default: a temporary "
+        "directory, removed at the end)",
+    )
+    add("--seed", type=int, default=0, help="seed of the random weights and of the engine")
+    add("--threads", type=int, help="torch CPU threads (default: torch's)")
+    add(
+        "--output",
+        type=Path,
+        help="JSON file (default: perf/results/gpu/<device>.json, <device>-<preset>.json "
+        "for a preset other than gpu)",
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from xllm_py.config import DeviceConfig
+
+    args = build_parser().parse_args(argv)
+    if args.new_tokens < 2 or min(args.batch_sizes) < 1 or any(k < 1 for k in args.k):
+        sys.exit("error: --new-tokens must be >= 2, batch sizes and k >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    args.preset = args.preset or ("gpu" if cuda else "tiny")
+    name = torch.cuda.get_device_name(device) if cuda else f"cpu {platform.machine()}"
+    dtype = DeviceConfig(device=args.device, dtype=args.dtype).torch_dtype()
+    counts = param_counts(
+        dict(BASE_CONFIG, **PRESETS[args.preset]["overrides"], num_nextn_predict_layers=1)
+    )
+    print(
+        f"{name}: {args.preset} preset, {millions(counts['target'])} target + "
+        f"{millions(counts['mtp'])} MTP parameters, {millions(counts['active_per_token'])} read "
+        f"per token at batch 1; run dtype {dtype}",
+        flush=True,
+    )
+    peak = peak_bandwidth(args, device, name)
+    print(f"peak bandwidth {peak['bytes_per_s'] / 1e9:.0f} GB/s: {peak['source']}", flush=True)
+    result = {
+        "benchmark": "decode on a random DeepSeek-V3-shaped checkpoint with MTP "
+        "(perf/gpu_report.py), greedy, EOS ignored, random prompt ids",
+        "command": " ".join(["python", *(sys.argv if argv is None else [__file__, *argv])]),
+        "device": {
+            "type": device.type,
+            "name": name,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "threads": torch.get_num_threads(),
+        },
+        "preset": args.preset,
+        "config_overrides": PRESETS[args.preset]["overrides"],
+        "parameters": counts,
+        "run_dtype": str(dtype).removeprefix("torch."),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "batch_sizes": args.batch_sizes,
+        "k": args.k,
+        "warmup": "one untimed run of the same batch before the timed one",
+        "peak_bandwidth": peak,
+        "formats": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work_dir or Path(tmp)
+        for fmt in args.formats:
+            path = checkpoint(work, args.preset, fmt, args.seed)
+            result["formats"][fmt] = bench_format(fmt, path, args, device, dtype, counts, peak)
+    print_table(result)
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    out = args.output or ROOT / "perf/results/gpu" / (
+        slug + ("" if args.preset == "gpu" else f"-{args.preset}") + ".json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
