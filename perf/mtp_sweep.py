@@ -19,7 +19,9 @@ Presets (--scale):
 
 Writes into --result-dir: results.md (one row per method and concurrency, baseline
 and MTP interleaved: mean TPOT, mean TTFT, output and total tokens/s, speedup over
-the baseline at that concurrency, mean acceptance length), sweep.png (output
+the baseline at that concurrency, mean acceptance length, and the ceiling: the batch-1
+bandwidth bound on the speedup at the row's k and acceptance length, from
+perf/mtp_ceiling.py), sweep.png (output
 tokens/s and TPOT against concurrency), sweep.json (everything, with the command
 and the machine) and raw/ (one bench_serving JSON per run). With --hf-peer, the
 same prompts also go through HF transformers `generate` one at a time (offline,
@@ -32,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -44,7 +47,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perf import bench_serving  # noqa: E402
+from perf import bench_serving, mtp_ceiling  # noqa: E402
+from xllm_py.assets import bundled_model  # noqa: E402
 
 PRESETS = {
     "full": {"input_len": 2500, "output_len": 1500, "prompts": lambda c: 80},
@@ -209,17 +213,18 @@ def hf_peer(args, n: int) -> dict:
 def table(rows: list[dict], peer: dict | None) -> str:
     head = (
         "| method | concurrency | mean TPOT (ms) | mean TTFT (ms) | output tok/s | "
-        "total tok/s | speedup | acceptance length | failed |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "total tok/s | speedup | acceptance length | ceiling | failed |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = []
     for r in rows:
-        acc = r.get("spec_decode_acceptance_length")
+        acc, ceil = r.get("spec_decode_acceptance_length"), r.get("ceiling")
         lines.append(
             f"| {r['method']} | {r['concurrency']} | {r['mean_tpot_ms']:.1f} | "
             f"{r['mean_ttft_ms']:.1f} | {r['output_throughput']:.1f} | "
             f"{r['total_token_throughput']:.1f} | {r['speedup']:.2f}x | "
-            f"{'' if acc is None else f'{acc:.2f}'} | {r['failed']} |"
+            f"{'' if acc is None else f'{acc:.2f}'} | {'' if ceil is None else f'{ceil:.2f}x'} | "
+            f"{r['failed']} |"
         )
     out = head + "\n".join(lines) + "\n"
     if peer:
@@ -229,6 +234,37 @@ def table(rows: list[dict], peer: dict | None) -> str:
             f"{peer['mean_ttft_ms']:.1f} ms, mean TPOT {peer['mean_tpot_ms']:.1f} ms.\n"
         )
     return out
+
+
+def add_ceiling(args, rows: list[dict], input_len: int, output_len: int) -> dict | None:
+    """Each MTP row's `ceiling` (perf/mtp_ceiling.py) at its k and measured acceptance length,
+    the KV read over input_len + output_len / 2 tokens; routing statistics from
+    --ceiling-routing, else measured here on the model (which must then fit this machine).
+    A failure leaves the column empty rather than losing the sweep."""
+    rows_k = [(r, re.fullmatch(r"MTP k=(\d+)", r["method"])) for r in rows]
+    rows_k = [(r, int(m.group(1))) for r, m in rows_k if m and r["spec_decode_acceptance_length"]]
+    if args.no_ceiling or not rows_k:
+        return None
+    try:
+        model = args.model or bundled_model()
+        flags = shlex.split(args.server_args)
+        draft = next((f.split("=", 1)[1] for f in flags if f.startswith("--draft_model=")), None)
+        if "--draft_model" in flags[:-1]:
+            draft = flags[flags.index("--draft_model") + 1]
+        bm = mtp_ceiling.byte_model(model, draft_model=draft)
+        if args.ceiling_routing:
+            routing = json.loads(args.ceiling_routing.read_text())["routing"]
+        else:
+            window = max(k for _, k in rows_k) + 1
+            routing = mtp_ceiling.routing_stats(model, args.ceiling_prompts, 32, window, draft)
+        context = input_len + output_len // 2
+        for r, k in rows_k:
+            acc = r["spec_decode_acceptance_length"]
+            r["ceiling"] = mtp_ceiling.ceiling_row(bm, routing, k, acc, context)["ceiling"]
+    except Exception as e:  # noqa: BLE001 - the column is an extra, the sweep is the result
+        print(f"ceiling column left empty: {type(e).__name__}: {e}", flush=True)
+        return None
+    return {"context": context, "routing": routing, "byte_model": bm.__dict__}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -282,6 +318,17 @@ def main(argv: list[str] | None = None) -> dict:
         help="with --launch: command that stops what it started (for launchers that return, "
         "e.g. 'scripts/launch_cluster.sh stop')",
     )
+    ap.add_argument("--no-ceiling", action="store_true", help="leave out the ceiling column")
+    ap.add_argument(
+        "--ceiling-routing",
+        type=Path,
+        default=None,
+        help="a perf/mtp_ceiling.py JSON of this model whose routing statistics the ceiling "
+        "uses (default: measured here, which loads the model in this process)",
+    )
+    ap.add_argument(
+        "--ceiling-prompts", type=int, default=4, help="held-out prompts to measure routing on"
+    )
     ap.add_argument("--hf-peer", action="store_true", help="also time HF transformers generate")
     ap.add_argument("--hf-peer-prompts", type=int, default=8, help="prompts for the HF peer figure")
     ap.add_argument(
@@ -324,6 +371,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "concurrency": c,
                     "speedup": r["output_throughput"] / base,
                     "ttft_ratio": r["mean_ttft_ms"] / results["baseline"][c]["mean_ttft_ms"],
+                    "ceiling": None,
                     **{
                         key: r.get(key)
                         for key in (
@@ -343,14 +391,17 @@ def main(argv: list[str] | None = None) -> dict:
     given = argv if argv is not None else sys.argv[1:]
     command = " ".join(["python", "perf/mtp_sweep.py", *given])
     p = PRESETS[args.scale]
+    input_len, output_len = args.input_len or p["input_len"], args.output_len or p["output_len"]
+    ceiling = add_ceiling(args, rows, input_len, output_len)
     summary = {
         "command": command,
         "scale": args.scale,
-        "input_len": args.input_len or p["input_len"],
-        "output_len": args.output_len or p["output_len"],
+        "input_len": input_len,
+        "output_len": output_len,
         "machine": machine(),
         "rows": rows,
         "hf_peer": peer,
+        "ceiling": ceiling,
     }
     (args.result_dir / "sweep.json").write_text(json.dumps(summary, indent=2))
     md = (
@@ -359,7 +410,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"ShareGPT prompts cut/extended to {summary['input_len']} input tokens, "
         f"{summary['output_len']} output tokens (ignore_eos), greedy; the same prompts and "
         "settings for every method. Speedup = output tok/s over the baseline at the same "
-        "concurrency, measured in this run.\n\n" + table(rows, peer)
+        "concurrency, measured in this run. Ceiling = the batch-1 bandwidth bound on that "
+        "speedup at the row's k and acceptance length (perf/mtp_ceiling.py; perf/README.md "
+        "says how to read it).\n\n" + table(rows, peer)
     )
     (args.result_dir / "results.md").write_text(md)
     plot(rows, args.result_dir / "sweep.png")

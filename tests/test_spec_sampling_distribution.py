@@ -136,3 +136,13 @@ def test_tensor_parallel_speculative_sampling_keeps_the_distribution(ids, plain,
     ranks = run_ranks(1, functools.partial(_rank_sample, ids, setting, 2, 21), tmp_path)
     assert ranks[0] == ranks[1]  # one engine: both ranks sampled the same tokens
     assert_same_distribution(plain[setting], ranks[0], f"TP 2, k=2 vs plain, {setting}")
+
+
+def test_speculative_sampling_with_a_hot_vocabulary_keeps_the_distribution(ids, plain):
+    """Drafts from the 256 most frequent target tokens only (a restricted, greedy draft
+    head): rejections are more frequent, the distribution is the target's."""
+    setting = "t1.2-minp0.05"
+    spec, llm = sample(ids, setting, 2, 41, speculative_draft_vocab_size=256)
+    m = llm.get_metrics()
+    assert 0 < m.accepted_tokens < m.draft_tokens
+    assert_same_distribution(plain[setting], spec, f"hot vocabulary 256, k=2 vs plain, {setting}")

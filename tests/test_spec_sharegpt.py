@@ -133,3 +133,31 @@ def test_speculative_output_identical_under_batching_variants(
     assert m.drafts > 0 and 0.3 < m.acceptance_rate < 1.0  # accepted runs and rejections
     blocks = llm.engine.core.blocks
     assert blocks.num_free_blocks == blocks.num_blocks
+
+
+HOT_VOCAB = 512  # of 8192: the restricted draft head proposes only these tokens
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_hot_vocabulary_drafts_are_lossless_on_sharegpt(prompts, baseline, batch):
+    """--speculative_draft_vocab_size: drafts from the bundled token map's 512 most frequent
+    target tokens only (spec/hot_vocab.py); k = 2. Every draft is a hot token, and the
+    output is still plain decoding's."""
+    llm = LLM(
+        dtype="float32",
+        block_size=16,
+        max_seqs_per_batch=batch,
+        num_speculative_tokens=2,
+        speculative_draft_vocab_size=HOT_VOCAB,
+    )
+    proposer = llm.engine.core.executor.worker.runner.proposer
+    hot = set(proposer.hot.token_ids.tolist())
+    drafted = []
+    propose = proposer.propose
+    proposer.propose = lambda items, hidden: drafted.append(propose(items, hidden)) or drafted[-1]
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
+    mismatched = [i for i, (a, b) in enumerate(zip(tokens, baseline)) if a != b]
+    assert not mismatched, f"{len(mismatched)} of {NUM_PROMPTS} differ, e.g. #{mismatched[0]}"
+    flat = [t for step in drafted for d in step for t in d]
+    assert len(hot) == HOT_VOCAB and flat and set(flat) <= hot
+    assert 0.3 < llm.get_metrics().acceptance_rate < 1.0

@@ -155,6 +155,42 @@ def test_two_ranks_in_graph_mode_generate_like_one_eager_process(
             assert (r_logits - logits).abs().max() < 1e-4, f"rank {r}"
 
 
+def _hot_vocab_run(path, token_map, parallel: ParallelContext | None = None):
+    """Greedy tokens with a hot-vocabulary draft head (k = 2, 100 of 320 tokens) and the
+    head's table."""
+    if parallel is not None:
+        use_parallel_workers(parallel)
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        block_size=16,
+        max_cache_size=4 << 20,
+        num_speculative_tokens=2,
+        speculative_draft_vocab_size=100,
+        speculative_token_map=str(token_map),
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    hot = llm.engine.core.executor.worker.runner.proposer.hot
+    return [o.outputs[0].token_ids for o in outs], hot.weight.clone(), hot.token_ids.clone()
+
+
+def test_two_ranks_build_the_whole_hot_vocabulary_head(mtp_ckpt, single, jobs, tmp_path):
+    """The hot tokens' head rows come from both ranks' vocabulary halves: after the one
+    all-reduce each rank holds exactly one process's table, and the output is plain
+    decoding's (and one process's)."""
+    from xllm_py.spec.hot_vocab import save_token_map
+
+    token_map = tmp_path / "map.safetensors"
+    order = torch.randperm(320, generator=torch.Generator().manual_seed(0))
+    save_token_map(token_map, order, torch.arange(320, 0, -1))
+    one = _hot_vocab_run(mtp_ckpt, token_map)
+    assert one[0] == [t for t, _ in single[jobs.index((mtp_ckpt, 0))][0]]  # lossless
+    assert (one[2] < 160).any() and (one[2] >= 160).any()  # hot rows on both ranks
+    work = functools.partial(_hot_vocab_run, mtp_ckpt, token_map)
+    for tokens, weight, ids in run_ranks(1, work, tmp_path):
+        assert tokens == one[0] and torch.equal(ids, one[2]) and torch.equal(weight, one[1])
+
+
 # ---- shards without processes (group None: shapes and loading only) ----
 
 

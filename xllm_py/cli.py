@@ -134,6 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="above this many running requests, decode without drafts (0 = never)",
     )
+    flag(
+        "speculative_draft_vocab_size",
+        type=int,
+        default=0,
+        help="draft from the N most frequent target tokens only (a cheaper draft head; "
+        "verification still uses the whole vocabulary, so outputs are unchanged); needs a "
+        "token map (tools/build_draft_vocab.py). 0 = the whole vocabulary",
+    )
+    flag(
+        "speculative_token_map",
+        default=None,
+        help="the token map for --speculative_draft_vocab_size (default: "
+        "draft_vocab.safetensors in the --draft_model or --model directory)",
+    )
 
     flag("block_size", type=int, default=128, help="tokens per KV cache block")
     flag(
@@ -329,6 +343,8 @@ def build_config(a: argparse.Namespace):
         draft_model=a.draft_model,
         speculative_disable_batch_size=a.speculative_disable_batch_size,
         draft_device=a.draft_devices,
+        speculative_draft_vocab_size=a.speculative_draft_vocab_size,
+        speculative_token_map=a.speculative_token_map,
     )
     if a.nnodes > 1:
         cluster_options(a).layout.check_model(config.model)

@@ -332,6 +332,11 @@ class SpecConfig:
     # The draft shares the target's embedding, head and KV blocks, so it must live on the
     # target's device (xLLM's --draft_devices); None = the target's.
     draft_device: str | None = None
+    # Drafts from the N most frequent target tokens only (spec/hot_vocab.py); 0 = the whole
+    # vocabulary. The token map: speculative_token_map, else draft_vocab.safetensors in the
+    # draft's (or the model's) directory.
+    draft_vocab_size: int = 0
+    token_map: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= 16:
@@ -344,6 +349,10 @@ class SpecConfig:
             )
         if self.draft_model and not self.num_speculative_tokens:
             raise ValueError("draft_model is set but num_speculative_tokens=0 (drafting is off)")
+        if self.draft_vocab_size < 0:
+            raise ValueError(
+                f"speculative_draft_vocab_size={self.draft_vocab_size} must be >= 0 (0: whole)"
+            )
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ def engine_config(
     speculative_disable_batch_size: int = 0,
     draft_device: str | None = None,
     weight_dtype: str = "auto",
+    speculative_draft_vocab_size: int = 0,
+    speculative_token_map: str | None = None,
 ) -> EngineConfig:
     """The engine's configuration from flat options (the offline API and the CLI share it).
     No model means the bundled one."""
@@ -77,6 +79,8 @@ def engine_config(
             draft_model=draft_model,
             speculative_disable_batch_size=speculative_disable_batch_size,
             draft_device=draft_device,
+            draft_vocab_size=speculative_draft_vocab_size,
+            token_map=speculative_token_map,
         ),
     )
 

@@ -104,9 +104,12 @@ class DeepseekV3MTP(nn.Module):
         rope = self.target.rotary(positions)
         return layer.predict(hidden, self.target.model.embed_tokens(next_ids), rope)
 
+    def head_norm(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """The block output of step `step`, normalised for the (shared) head."""
+        return self.layers[step % len(self.layers)].shared_head.norm(x)
+
     def compute_logits(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
-        layer = self.layers[step % len(self.layers)]
-        return self.target.compute_logits(layer.shared_head.norm(x))
+        return self.target.compute_logits(self.head_norm(x, step))
 
 
 def draft_name_map(names: list[str], num_hidden_layers: int, num_mtp: int, exported: bool):

@@ -26,6 +26,9 @@ Draft positions live in the request's own blocks: the scheduler reserves k
 look-ahead slots, and entries written for drafts that are later rejected are
 overwritten when those positions are verified.
 
+With a hot-vocabulary head (spec/hot_vocab.py) each draft is the argmax over the N hot
+tokens only; the target still verifies over the whole vocabulary.
+
 Graph mode (worker/graph_runner.py, one runner per MTP layer in `graphs`): a pass
 whose requests each have at most 1 + k rows (the first pass after a decode or
 verification step) or one row (a chained step) runs in its layer's graph, each
@@ -40,6 +43,7 @@ import torch
 
 from xllm_py.models.context import forward_context
 from xllm_py.models.deepseek_mtp import DeepseekV3MTP
+from xllm_py.spec.hot_vocab import HotVocabHead
 from xllm_py.worker.attention_layout import RequestLayout, build_context
 from xllm_py.worker.graph_runner import GraphRunner
 
@@ -73,6 +77,7 @@ class MTPProposer:
         self.device = device
         self.dtype = dtype
         self.graphs: dict[int, GraphRunner] = {}  # MTP layer -> its runner, in graph mode
+        self.hot: HotVocabHead | None = None  # set by the worker: drafts from hot tokens only
 
     def graph_q_lens(self) -> dict[int, tuple[int, ...]]:
         """MTP layer -> the query lengths its passes take in graph mode: 1 + k for the
@@ -109,7 +114,7 @@ class MTPProposer:
             [layouts[i].start + layouts[i].q_len - 1 for i in want], device=self.device
         )
         x = x[last]
-        tokens = self.draft.compute_logits(x, 0).argmax(dim=-1)
+        tokens = self._draft_tokens(x, 0)
         for i, t in zip(want, tokens.tolist()):
             drafts[i].append(t)
         for step in range(1, self.k):
@@ -125,10 +130,17 @@ class MTPProposer:
             ]
             pos = [lay.ctx_len - 1 for lay in chain]
             x = self._run(tokens.tolist(), pos, x, chain, step)
-            tokens = self.draft.compute_logits(x, step).argmax(dim=-1)
+            tokens = self._draft_tokens(x, step)
             for i, t in zip(want, tokens.tolist()):
                 drafts[i].append(t)
         return drafts
+
+    def _draft_tokens(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        """Greedy draft tokens [T] from block outputs x [T, hidden]: the argmax over the
+        whole vocabulary, or over the hot tokens (spec/hot_vocab.py)."""
+        if self.hot is not None:
+            return self.hot.tokens(self.draft.head_norm(x, step))
+        return self.draft.compute_logits(x, step).argmax(dim=-1)
 
     @staticmethod
     def _last(item: ProposeInput) -> int:

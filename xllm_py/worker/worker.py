@@ -22,6 +22,7 @@ from xllm_py.models.deepseek_mtp import (
     read_draft_config,
 )
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
+from xllm_py.spec.hot_vocab import TOKEN_MAP_FILE, HotVocabHead, load_token_map
 from xllm_py.spec.mtp_proposer import MTPProposer
 from xllm_py.weights.fp8 import Fp8Config, fp8_gemm_available, fp8_resident
 from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
@@ -336,6 +337,7 @@ class Worker:
                 self.dtype,
                 self.config.max_model_len,
             )
+            self.runner.proposer.hot = self._hot_vocab_head()
             if self.graph_mode:
                 proposer = self.runner.proposer
                 for layer, q_lens in proposer.graph_q_lens().items():
@@ -351,6 +353,18 @@ class Worker:
             self.warm_up_graphs()
         elif self.graph_mode:
             logger.info("graph mode: the replica's ranks compile together at its first step")
+
+    def _hot_vocab_head(self) -> HotVocabHead | None:
+        """--speculative_draft_vocab_size: the draft's head over the hot tokens only."""
+        spec = self.config.spec
+        if not spec.draft_vocab_size:
+            return None
+        default = Path(spec.draft_model or self.config.model.path) / TOKEN_MAP_FILE
+        ids = load_token_map(
+            spec.token_map or default, spec.draft_vocab_size, self.config.model.vocab_size
+        )
+        logger.info("MTP drafts from the %d most frequent target tokens", len(ids))
+        return HotVocabHead(self.model.lm_head, ids, self.parallel)
 
     def _graph_runner(self, fn, caches, num_blocks: int, q_lens, **kw) -> GraphRunner:
         """Graphs of `fn`'s passes over this worker's cache; the scratch block for padding

@@ -1,0 +1,393 @@
+#!/usr/bin/env python3
+"""The bandwidth ceiling of MTP speculative decoding: bytes read per pass, in plain steps.
+
+    python perf/mtp_ceiling.py --results perf/results/mtp_sweep/sweep.json
+    python perf/mtp_ceiling.py --model DIR --k 1 2 3 4 --prompts 8 --new-tokens 64
+
+Batch 1, each pass taking time in proportion to the bytes it reads (weights held in
+--dtype, the latent KV cache over --context tokens). Sizes come from the checkpoint's
+safetensors headers (nothing loaded for them), routing from held-out ShareGPT prompts:
+
+  plain step    every target weight except the routed experts (attention, norms, dense MLP,
+                routers, shared experts, final norm, lm_head) + top_k routed experts per
+                MoE layer + one embedding row + the KV cache of every layer
+  verify(k+1)   the same for k+1 rows: weights and KV read once, but the routed experts are
+                the distinct ones k+1 consecutive tokens touch (measured per layer)
+  draft         as spec/mtp_proposer.py runs it: a first MTP pass over the newly verified
+                rows (1 + accepted: the acceptance length on average; distinct experts
+                interpolated between whole windows) and the head, then k-1 chained one-row
+                passes, each with the head again. Draft cost = those bytes / k.
+  ceiling(k)    acceptance_length(k) / (verify + k x draft), costs in plain-step units
+
+Routing: the target greedily continues each prompt (--new-tokens, EOS ignored), then prompt
++ continuation go through once more as one prefill with forward hooks on every Router, so
+each continuation position's experts are known (the MTP layer's too: its first pass covers
+the same positions). Distinct experts are averaged over all windows of w = 1..max(k)+1
+consecutive continuation tokens. Acceptance lengths come from --results (mtp_sweep.py's
+sweep.json or a bench_offline.py --spec JSON) for the k it has, else are measured here with
+the offline API (greedy, the same prompts); the table says which. Given --results, each of
+its rows is compared with the ceiling at that row's own acceptance length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import re
+import struct
+import sys
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+EL_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+SCALES = ("_scale_inv", "weight_scale")  # FP8 block scales: not kept once dequantised
+MB = 1e6
+
+
+@dataclass
+class ByteModel:
+    """Bytes in the run dtype; lists run over the target's MoE layers / the MTP layers."""
+
+    target_dense: int  # every target pass, whatever its rows; no experts, embedding or head
+    expert: list[int]  # one routed expert, per target MoE layer
+    draft_dense: list[int]  # per MTP layer: all but its routed experts (block, norms, eh_proj)
+    draft_expert: list[int]  # one routed expert, per MTP layer
+    head: int  # lm_head (the target's; the draft shares it)
+    draft_head: int  # what one draft token's head reads (head, or --draft-vocab rows of it)
+    embed_row: int
+    kv_token_layer: int  # latent cache bytes per token and layer
+    num_layers: int
+    top_k: int
+    total_weights: int  # every weight tensor, target and MTP (shared copies once)
+
+
+def _config(path: str) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def _headers(model_dir: str) -> dict[str, list[int]]:
+    """name -> shape of every checkpoint tensor the loader would read (the index's, so other
+    files beside it, e.g. a draft token map, are not counted), from the shards' headers."""
+    from xllm_py.weights.loader import tensor_files
+
+    files = tensor_files(model_dir)
+    out = {}
+    for f in sorted(set(files.values())):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        out.update({k: v["shape"] for k, v in header.items() if k in files})
+    return out
+
+
+def byte_model(
+    model: str, dtype: str = "float32", draft_model: str | None = None, draft_vocab: int = 0
+) -> ByteModel:
+    """The bytes of each part a pass reads, from the checkpoint's (and draft's) headers."""
+    from xllm_py.models.deepseek_mtp import draft_name_map
+
+    el, cfg = EL_BYTES[dtype], _config(model)
+    N, E, hidden = cfg["num_hidden_layers"], cfg["n_routed_experts"], cfg["hidden_size"]
+    n_mtp = _config(draft_model)["num_hidden_layers"] if draft_model else 0
+    n_mtp = n_mtp or cfg.get("num_nextn_predict_layers", 0)
+    tensors = [(n, s, False) for n, s in _headers(model).items()]
+    tensors += [(n, s, True) for n, s in _headers(draft_model).items()] if draft_model else []
+    parts: dict[tuple[str, int], int] = defaultdict(int)
+    for name, shape, exported in tensors:
+        if name.endswith(SCALES):
+            continue
+        layer = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
+        if exported or (layer and int(layer.group(1)) >= N):  # the MTP layers
+            mapped = draft_name_map([name], N, n_mtp, exported)[name]
+            if not (isinstance(mapped, str) and mapped.startswith("layers.")):
+                continue  # a copy of the target's embedding or head
+            _, j, rest = mapped.split(".", 2)
+            key = ("draft_expert" if rest.startswith("mlp.experts.") else "draft_dense", int(j))
+        elif layer and layer.group(2).startswith("mlp.experts."):
+            key = ("expert", int(layer.group(1)))
+        elif name in ("lm_head.weight", "model.embed_tokens.weight"):
+            key = (name, 0)
+        else:
+            key = ("dense", 0)
+        parts[key] += math.prod(shape) * el
+    head = parts[("lm_head.weight", 0)] or parts[("model.embed_tokens.weight", 0)]  # tied
+    moe = sorted(i for kind, i in parts if kind == "expert")
+    return ByteModel(
+        target_dense=parts[("dense", 0)],
+        expert=[parts[("expert", i)] // E for i in moe],
+        draft_dense=[parts[("draft_dense", j)] for j in range(n_mtp)],
+        draft_expert=[parts[("draft_expert", j)] // E for j in range(n_mtp)],
+        head=head,
+        draft_head=draft_vocab * hidden * el if draft_vocab else head,
+        embed_row=hidden * el,
+        kv_token_layer=(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * el,
+        num_layers=N,
+        top_k=cfg["num_experts_per_tok"],
+        total_weights=sum(parts.values()),
+    )
+
+
+def new_llm(model: str, k: int, dtype: str = "float32", draft_model: str | None = None):
+    from xllm_py import LLM
+
+    return LLM(model=model, dtype=dtype, num_speculative_tokens=k, draft_model=draft_model,
+               enable_prefix_cache=False, max_cache_size=256 << 20)  # fmt: skip
+
+
+def held_out_prompts(llm, n: int) -> list[list[int]]:
+    """Token ids of n held-out ShareGPT user turns, chat template applied (as bench_spec)."""
+    from xllm_py.sharegpt import held_out_user_turns
+
+    tok = llm.get_tokenizer()
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}])
+             for p in held_out_user_turns(n, 20, 1500)]  # fmt: skip
+    return [llm.engine.tokenize_prompt(t)[1] for t in texts]
+
+
+def acceptance(llm, prompts: list[list[int]], new_tokens: int) -> float:
+    """Mean acceptance length (1 + accepted / drafts) of greedy generation of the prompts."""
+    from xllm_py import SamplingParams
+
+    before = llm.get_metrics()
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    m = llm.get_metrics()
+    return 1 + (m.accepted_tokens - before.accepted_tokens) / max(m.drafts - before.drafts, 1)
+
+
+def measure_routing(llm, prompts: list[list[int]], new_tokens: int, max_window: int) -> dict:
+    """{"target": {w: [distinct experts per MoE layer]}, "draft": {w: [per MTP layer]}}: means
+    over every window of w consecutive continuation tokens, w = 1..max_window. `llm` must
+    draft (k >= 1) for the MTP layer's routers to run."""
+    from xllm_py import SamplingParams
+    from xllm_py.models.layers.moe import Router
+
+    worker = llm.engine.core.executor.worker
+    routers = {part: [m for m in module.modules() if isinstance(m, Router)]
+               for part, module in (("target", worker.model), ("draft", worker.draft))}  # fmt: skip
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    calls: dict[tuple[str, int], list] = defaultdict(list)
+    hooks = [r.register_forward_hook(lambda _m, _i, o, key=(part, i): calls[key].append(o[1]))
+             for part, rs in routers.items() for i, r in enumerate(rs)]  # fmt: skip
+    sums: dict[tuple, float] = defaultdict(float)
+    count: dict[tuple, int] = defaultdict(int)
+    try:
+        for p, out in zip(prompts, outs):
+            ids = p + list(out.outputs[0].token_ids)
+            calls.clear()
+            llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0.0))
+            for key, recs in calls.items():  # prefill rows come in position order
+                rows = [set(r) for call in recs for r in call.tolist()][len(p) : len(ids)]
+                for w in range(1, max_window + 1):
+                    for s in range(len(rows) - w + 1):
+                        sums[(*key, w)] += len(set().union(*rows[s : s + w]))
+                        count[(*key, w)] += 1
+    finally:
+        for h in hooks:
+            h.remove()
+    return {part: {w: [sums[part, i, w] / max(count[part, i, w], 1) for i in range(len(rs))]
+                   for w in range(1, max_window + 1)} for part, rs in routers.items()}  # fmt: skip
+
+
+def routing_stats(model: str, prompts: int, new_tokens: int, max_window: int,
+                  draft_model: str | None = None) -> dict:  # fmt: skip
+    """measure_routing on a fresh engine (k = 1, float32) over `prompts` held-out prompts."""
+    llm = new_llm(model, 1, "float32", draft_model)
+    return measure_routing(llm, held_out_prompts(llm, prompts), new_tokens, max_window)
+
+
+def _distinct(table: dict, rows: float, layer: int) -> float:
+    """Distinct experts of one layer over `rows` rows, linear between measured windows."""
+    table = {int(w): v for w, v in table.items()}  # JSON keys are strings
+    lo = max(1, min(int(rows), max(table)))
+    hi = min(lo + 1, max(table))
+    a, b = table[lo][layer], table[hi][layer]
+    return a + (b - a) * min(max(rows - lo, 0.0), 1.0)
+
+
+def step_bytes(bm: ByteModel, routing: dict, k: int, accept: float, context: int) -> dict:
+    """Bytes of a plain step, a (k+1)-row verify step and one step's k draft passes."""
+    kv = context * bm.kv_token_layer
+    t, d = routing["target"], routing["draft"]
+    measured_mtp = len(next(iter(d.values())))
+
+    def target(rows: int) -> float:
+        experts = sum(e * _distinct(t, rows, i) for i, e in enumerate(bm.expert))
+        return bm.target_dense + bm.head + experts + rows * bm.embed_row + bm.num_layers * kv
+
+    def mtp(j: int, rows: float) -> float:  # unmeasured MTP layers route like the last one
+        experts = bm.draft_expert[j] * _distinct(d, rows, min(j, measured_mtp - 1))
+        return bm.draft_dense[j] + experts + rows * bm.embed_row + kv
+
+    n = len(bm.draft_dense)
+    first = sum(mtp(j, accept) for j in range(min(k, n))) + bm.draft_head
+    chained = sum(mtp(s % n, 1) + bm.draft_head for s in range(1, k))
+    return {"plain": target(1), "verify": target(k + 1), "draft": first + chained, "kv": kv}
+
+
+def ceiling(accept: float, verify_cost: float, draft_cost: float, k: int) -> float:
+    """The speedup bound: tokens per step / step cost, costs in plain-step units."""
+    return accept / (verify_cost + k * draft_cost)
+
+
+def ceiling_row(bm: ByteModel, routing: dict, k: int, accept: float, context: int) -> dict:
+    b = step_bytes(bm, routing, k, accept, context)
+    verify, draft = b["verify"] / b["plain"], b["draft"] / k / b["plain"]
+    return {"k": k, "acceptance_length": accept, "plain_mb": b["plain"] / MB,
+            "verify_mb": b["verify"] / MB, "draft_mb_per_pass": b["draft"] / k / MB,
+            "verify_cost": verify, "draft_cost": draft, "step_cost": verify + k * draft,
+            "ceiling": ceiling(accept, verify, draft, k)}  # fmt: skip
+
+
+def measured_rows(path: Path) -> tuple[list[dict], dict]:
+    """Rows (k, where, acceptance_length, speedup) of a mtp_sweep.py sweep.json or a
+    bench_offline.py --spec JSON, and the file's input/output lengths if it has them."""
+    data = json.loads(path.read_text())
+    out = []
+    for r in data.get("rows", []):
+        m = re.fullmatch(r"MTP k=(\d+)", r.get("method", ""))
+        if m and r.get("spec_decode_acceptance_length"):
+            out.append({"k": int(m.group(1)), "where": f"concurrency {r['concurrency']}",
+                        "acceptance_length": r["spec_decode_acceptance_length"],
+                        "speedup": r["speedup"]})  # fmt: skip
+    for r in data.get("results", []):
+        if r.get("k") and "speedup" in r and "mean_acceptance_length" in r:
+            out.append({"k": r["k"], "where": f"batch {r['batch']}",
+                        "acceptance_length": r["mean_acceptance_length"],
+                        "speedup": r["speedup"]})  # fmt: skip
+    return out, {key: data[key] for key in ("input_len", "output_len") if key in data}
+
+
+def md_table(head: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from xllm_py.assets import bundled_model
+
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: bundled)")
+    ap.add_argument("--draft-model", default=None, help="exported MTP draft, if separate")
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4], help="draft counts")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="sweep.json (mtp_sweep.py) or bench_offline.py --spec JSON: acceptance "
+                    "lengths, measured speedups to compare, and the context")  # fmt: skip
+    ap.add_argument("--prompts", type=int, default=8, help="held-out ShareGPT prompts to use")
+    ap.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
+    ap.add_argument("--dtype", choices=sorted(EL_BYTES), default="float32",
+                    help="bytes per weight and KV element (float32: the CPU run dtype; with one "
+                    "dtype throughout, it changes only the MB, not the costs); the measuring "
+                    "engine runs in float32 unless bfloat16/float16")  # fmt: skip
+    ap.add_argument("--context", type=int, default=0,
+                    help="tokens the KV reads cover (default: input_len + output_len / 2 of "
+                    "--results, else the prompts' mean length + new_tokens / 2)")  # fmt: skip
+    ap.add_argument("--draft-vocab", type=int, default=0, help="model a draft head over "
+                    "this many hot tokens (0: the whole vocabulary)")  # fmt: skip
+    ap.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        help="an earlier mtp_ceiling.py JSON of this model: its routing statistics "
+        "(and acceptance lengths for k not in --results) instead of measuring them",
+    )
+    ap.add_argument("--output", type=Path, default=ROOT / "perf/results/mtp_ceiling.json",
+                    help="JSON to write")  # fmt: skip
+    args = ap.parse_args(argv)
+    model = args.model or bundled_model()
+    run_dtype = args.dtype if args.dtype in ("bfloat16", "float16") else "float32"
+    bm = byte_model(model, args.dtype, args.draft_model, args.draft_vocab)
+    measured, lengths = measured_rows(args.results) if args.results else ([], {})
+    reused = json.loads(args.reuse.read_text()) if args.reuse else {}
+    engine: dict = {}  # the measuring engine, made when first needed, and its prompts
+
+    def llm_at(k: int):
+        if engine.get("k") != k:
+            engine.pop("llm", None)
+            gc.collect()
+            engine.update(k=k, llm=new_llm(model, k, run_dtype, args.draft_model))
+            engine.setdefault("prompts", held_out_prompts(engine["llm"], args.prompts))
+        return engine["llm"], engine["prompts"]
+
+    routing = reused.get("routing")
+    if routing is None or max(map(int, routing["target"])) < max(args.k) + 1:
+        routing = measure_routing(*llm_at(1), args.new_tokens, max(args.k) + 1)
+    if args.context or lengths:
+        context = args.context or lengths["input_len"] + lengths["output_len"] // 2
+    elif "prompts" in engine:
+        prompts = engine["prompts"]
+        context = round(sum(map(len, prompts)) / len(prompts) + args.new_tokens / 2)
+    else:
+        context = reused["context"]
+    rows = []
+    for k in args.k:
+        got = [r["acceptance_length"] for r in measured if r["k"] == k]
+        old = [r for r in reused.get("rows", []) if r["k"] == k]
+        if got:
+            acc, src = sum(got) / len(got), f"results, mean of {len(got)} rows"
+        elif old:
+            acc, src = old[0]["acceptance_length"], f"{args.reuse}: {old[0]['acceptance_source']}"
+        else:
+            acc = acceptance(*llm_at(k), args.new_tokens)
+            src = f"measured, {args.prompts} prompts x {args.new_tokens} tokens"
+        rows.append({**ceiling_row(bm, routing, k, acc, context), "acceptance_source": src})
+    compare = []
+    for r in measured:
+        c = ceiling_row(bm, routing, r["k"], r["acceptance_length"], context)
+        compare.append({**r, "ceiling": c["ceiling"], "ratio": r["speedup"] / c["ceiling"],
+                        "step_cost_measured": r["acceptance_length"] / r["speedup"],
+                        "step_cost_model": c["step_cost"]})  # fmt: skip
+    plain = step_bytes(bm, routing, 1, 1.0, context)
+    print(f"model {model}, {args.dtype}, context {context} tokens, batch 1")
+    print(
+        f"weights {bm.total_weights / MB:.2f} MB; plain step {plain['plain'] / MB:.2f} MB = "
+        f"dense {bm.target_dense / MB:.2f} + head {bm.head / MB:.2f} + routed experts "
+        f"{sum(bm.expert) * bm.top_k / MB:.2f} + KV {bm.num_layers * plain['kv'] / MB:.2f}; "
+        f"MTP layer {sum(bm.draft_dense) / MB:.2f} + {bm.top_k} experts "
+        f"{bm.top_k * sum(bm.draft_expert) / MB:.2f}, draft head {bm.draft_head / MB:.2f}"
+    )
+    t, d = routing["target"], routing["draft"]
+    print("distinct experts per MoE layer over w tokens (target mean / MTP): " + ", ".join(
+        f"w={w} {sum(t[w]) / len(t[w]):.2f}/{d[w][0]:.2f}" for w in t))  # fmt: skip
+    head = ["k", "acceptance length", "source", "plain MB", "verify MB", "draft MB/pass",
+            "verify cost", "draft cost", "step cost", "ceiling"]  # fmt: skip
+    print("\n" + md_table(head, [
+        [r["k"], f"{r['acceptance_length']:.2f}", r["acceptance_source"], f"{r['plain_mb']:.2f}",
+         f"{r['verify_mb']:.2f}", f"{r['draft_mb_per_pass']:.2f}", f"{r['verify_cost']:.3f}",
+         f"{r['draft_cost']:.3f}", f"{r['step_cost']:.3f}", f"{r['ceiling']:.2f}x"]
+        for r in rows]))  # fmt: skip
+    if compare:
+        head = ["k", "where", "acceptance", "measured", "ceiling", "measured/ceiling",
+                "step cost measured", "step cost model"]  # fmt: skip
+        print(f"\n{args.results}; step cost = acceptance / speedup, in plain steps:\n" + md_table(
+            head, [[c["k"], c["where"], f"{c['acceptance_length']:.2f}", f"{c['speedup']:.2f}x",
+                    f"{c['ceiling']:.2f}x", f"{c['ratio']:.2f}", f"{c['step_cost_measured']:.2f}",
+                    f"{c['step_cost_model']:.2f}"] for c in compare]))  # fmt: skip
+    given = argv if argv is not None else sys.argv[1:]
+    summary = {
+        "command": " ".join(["python", "perf/mtp_ceiling.py", *given]),
+        **{key: str(v) if isinstance(v, Path) else v for key, v in vars(args).items()},
+        "model": model,
+        "context": context,
+        "measured_on_prompts": len(engine.get("prompts", [])),
+        "byte_model": asdict(bm),
+        "routing": routing,
+        "rows": rows,
+        "compare": compare,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""A hot-vocabulary draft head: the MTP draft's logits over the N tokens the target emits
+most often, instead of the whole vocabulary.
+
+Every draft token reads the head: on the bundled model (vocab 8192, hidden 256) that is
+about a third of the bytes a step reads; on DeepSeek-V3 (129280 x 7168) it is ~0.9 GB
+per draft token at bf16. Restricting the draft's head to the hot tokens cuts that to N
+rows. A draft can then only propose hot tokens; it is still a proposal: verification
+runs on the target's full distribution, and drafts are greedy (one-hot q, see
+worker/rejection_sampler.py), so the restricted head changes how often drafts are
+accepted, never what is emitted.
+
+The token map is a safetensors file (`token_ids` [V'] int64, most frequent first, and
+their `counts`), built by tools/build_draft_vocab.py from the target's own continuations
+of ShareGPT prompts, stored as `draft_vocab.safetensors` next to the checkpoint or
+passed as a file (--speculative_token_map).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from xllm_py.distributed.parallel import ParallelContext
+
+TOKEN_MAP_FILE = "draft_vocab.safetensors"
+
+
+def save_token_map(path: str | Path, token_ids: torch.Tensor, counts: torch.Tensor) -> None:
+    save_file({"token_ids": token_ids.long(), "counts": counts.long()}, str(path))
+
+
+def load_token_map(path: str | Path, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent token ids of the map at `path`, [size] int64."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(
+            f"speculative_draft_vocab_size={size} needs a token map: no {path} (build one "
+            "with tools/build_draft_vocab.py, or pass --speculative_token_map)"
+        )
+    ids = load_file(str(path))["token_ids"]
+    if not 0 < size <= len(ids):
+        raise ValueError(
+            f"speculative_draft_vocab_size={size}: the token map {path} holds {len(ids)} tokens"
+        )
+    ids = ids[:size]
+    if ids.min() < 0 or ids.max() >= vocab_size or len(ids.unique()) != len(ids):
+        raise ValueError(f"{path}: token ids must be distinct and in [0, {vocab_size})")
+    return ids
+
+
+class HotVocabHead:
+    """The LM head's rows for `token_ids`, whole on every rank (under tensor parallelism
+    each rank contributes the rows it holds and one all-reduce at start-up completes the
+    table: every entry has one non-zero term, so the sum is exact)."""
+
+    def __init__(self, lm_head, token_ids: torch.Tensor, parallel: ParallelContext) -> None:
+        weight = lm_head.weight  # [vocab / tp, hidden]: this rank's rows
+        start = parallel.tp_rank * weight.shape[0]
+        self.token_ids = token_ids.to(weight.device)
+        local = self.token_ids - start
+        mine = (local >= 0) & (local < weight.shape[0])
+        rows = weight.new_zeros(len(token_ids), weight.shape[1])
+        rows[mine] = weight[local[mine]]
+        self.weight = parallel.all_reduce(rows).contiguous()  # [N, hidden]
+
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (after the draft's head norm) -> the argmax hot token's id [T]."""
+        return self.token_ids[F.linear(x, self.weight).argmax(dim=-1)]
