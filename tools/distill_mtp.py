@@ -56,11 +56,14 @@ def prompt_text(user_turn: str) -> str:
     return f"<|bos|><|user|>\n{user_turn}\n<|assistant|>\n"
 
 
-def generate(model_dir: Path, prompts: list[str], new_tokens: int, max_prompt: int) -> list:
-    """Greedy continuations from this engine: one token list (prompt + output) per prompt."""
+def generate(
+    model_dir: Path, prompts: list[str], new_tokens: int, max_prompt: int, batch: int = 64
+) -> list:
+    """Greedy continuations from this engine: one token list (prompt + output) per prompt,
+    up to `batch` sequences at a time."""
     from xllm_py import LLM, SamplingParams
 
-    llm = LLM(model=str(model_dir), dtype="float32", max_seqs_per_batch=64)
+    llm = LLM(model=str(model_dir), dtype="float32", max_seqs_per_batch=batch)
     tok = llm.get_tokenizer()
     ids = [tok.encode(p, add_special_tokens=False)[-max_prompt:] for p in prompts]
     outs = llm.generate(
@@ -121,6 +124,94 @@ def agreement_on(model, mtp, seqs: list[list[int]], first: list[int]) -> float:
     return agree / max(total, 1)
 
 
+def prepare_data(
+    model_dir: Path,
+    work: Path,
+    *,
+    max_train_chars: int,
+    gen_prompts: int,
+    gen_tokens: int,
+    seq_len: int,
+    eval_prompts: int,
+    eval_tokens: int = 128,
+    gen_batch: int = 64,
+) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Training and held-out data, cached in `work`: (ShareGPT token stream, stream of the
+    target's greedy continuations of training prompts, {"seqs", "first"}: the target's
+    continuations of held-out prompts with the index of each one's first generated token)."""
+    real_file, gen_file, eval_file = work / "real.npy", work / "generated.npy", work / "eval.json"
+    if not real_file.is_file():
+        print("tokenising ShareGPT training text ...", flush=True)
+        texts, _ = split_conversations(max_train_chars)
+        np.save(real_file, tokenize_stream(texts, model_dir / "tokenizer.json"))
+    if not gen_file.is_file():
+        print(f"generating {gen_prompts} greedy continuations ...", flush=True)
+        seqs = generate(
+            model_dir,
+            [prompt_text(t) for t in training_user_turns(gen_prompts, 2000)],
+            gen_tokens,
+            seq_len,
+            gen_batch,
+        )
+        np.save(gen_file, np.concatenate([np.asarray(s, dtype=np.uint16) for s in seqs]))
+    if not eval_file.is_file():
+        prompts = [prompt_text(t) for t in held_out_user_turns(eval_prompts, 0, 2000)]
+        seqs = generate(model_dir, prompts, eval_tokens, 256, gen_batch)
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        first = [min(len(tok.encode(p, add_special_tokens=False).ids), 256) for p in prompts]
+        eval_file.write_text(json.dumps({"seqs": seqs, "first": first}))
+    real, gen = np.load(real_file), np.load(gen_file)
+    ev = json.loads(eval_file.read_text())
+    print(f"{len(real) / 1e6:.1f}M real tokens, {len(gen) / 1e6:.2f}M generated", flush=True)
+    return real, gen, ev
+
+
+def sample_batch(
+    real: np.ndarray, gen: np.ndarray, rng: np.random.Generator, batch_size: int, seq_len: int
+) -> torch.Tensor:
+    """Half ShareGPT windows, half windows of the target's own continuations."""
+    half = batch_size // 2
+    return torch.cat(
+        [windows(real, rng, batch_size - half, seq_len), windows(gen, rng, half, seq_len)]
+    )
+
+
+def make_optimizer(params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
+    """AdamW, weight decay on matrices only."""
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+
+
+def lr_at(peak: float, warmup: int, step: int, frac: float) -> float:
+    """Linear warm-up over `warmup` steps, then cosine from `peak` to 0.1 x `peak` over the
+    fraction `frac` of the budget spent."""
+    return peak * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
+
+
+def train_step(model, mtp, opt, params, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimiser step of the distillation loss (bf16 autocast, grad-norm clip 1)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, agree = distill_loss(model, mtp, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return loss, agree
+
+
 def write_checkpoint(src: Path, out: Path, replaced: dict[str, torch.Tensor], meta: dict) -> None:
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors":
@@ -163,31 +254,15 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
 
-    real_file, gen_file, eval_file = work / "real.npy", work / "generated.npy", work / "eval.json"
-    if not real_file.is_file():
-        print("tokenising ShareGPT training text ...", flush=True)
-        texts, _ = split_conversations(args.max_train_chars)
-        np.save(real_file, tokenize_stream(texts, args.model / "tokenizer.json"))
-    if not gen_file.is_file():
-        print(f"generating {args.gen_prompts} greedy continuations ...", flush=True)
-        seqs = generate(
-            args.model,
-            [prompt_text(t) for t in training_user_turns(args.gen_prompts, 2000)],
-            args.gen_tokens,
-            args.seq_len,
-        )
-        np.save(gen_file, np.concatenate([np.asarray(s, dtype=np.uint16) for s in seqs]))
-    if not eval_file.is_file():
-        prompts = [prompt_text(t) for t in held_out_user_turns(args.eval_prompts, 0, 2000)]
-        seqs = generate(args.model, prompts, 128, 256)
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(args.model / "tokenizer.json"))
-        first = [min(len(tok.encode(p, add_special_tokens=False).ids), 256) for p in prompts]
-        eval_file.write_text(json.dumps({"seqs": seqs, "first": first}))
-    real, gen = np.load(real_file), np.load(gen_file)
-    ev = json.loads(eval_file.read_text())
-    print(f"{len(real) / 1e6:.1f}M real tokens, {len(gen) / 1e6:.2f}M generated", flush=True)
+    real, gen, ev = prepare_data(
+        args.model,
+        work,
+        max_train_chars=args.max_train_chars,
+        gen_prompts=args.gen_prompts,
+        gen_tokens=args.gen_tokens,
+        seq_len=args.seq_len,
+        eval_prompts=args.eval_prompts,
+    )
 
     from transformers import DeepseekV3ForCausalLM
 
@@ -199,41 +274,16 @@ def main() -> None:
     print(f"held-out top-1 agreement before: {before:.1%}", flush=True)
     mtp.train()
     params = list(mtp.parameters())
-    opt = torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-    )
+    opt = make_optimizer(params, args.lr)
     rng = np.random.default_rng(args.seed)
     budget = args.minutes * 60
     start = time.time()
     step, log = 0, []
     bar = tqdm(total=int(budget), desc="distilling", unit="s")
     while (elapsed := time.time() - start) < budget:
-        frac = elapsed / budget
-        lr = (
-            args.lr
-            * min(1.0, (step + 1) / args.warmup)
-            * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-        )
-        for g in opt.param_groups:
-            g["lr"] = lr
-        half = args.batch_size // 2
-        batch = torch.cat(
-            [
-                windows(real, rng, args.batch_size - half, args.seq_len),
-                windows(gen, rng, half, args.seq_len),
-            ]
-        )
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, agree = distill_loss(model, mtp, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        set_lr(opt, lr_at(args.lr, args.warmup, step, elapsed / budget))
+        batch = sample_batch(real, gen, rng, args.batch_size, args.seq_len)
+        loss, agree = train_step(model, mtp, opt, params, batch)
         step += 1
         bar.update(int(time.time() - start) - bar.n)
         bar.set_postfix(step=step, loss=f"{loss.item():.3f}", agree=f"{agree.item():.2f}")
