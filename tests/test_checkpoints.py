@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from tools.make_random_checkpoint import make_random_checkpoint
 from xllm_py import LLM, SamplingParams
 from xllm_py.weights.fp8 import Fp8Config, dequantize, quantize
+from xllm_py.weights.loader import tensor_files
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPORT = ROOT / "tools" / "export_deepseek_mtp.py"
@@ -345,3 +346,17 @@ def test_checkpoint_without_mtp_layer_cannot_give_a_draft(tmp_path):
     w = llm.engine.core.executor.worker
     with pytest.raises(ValueError, match="no MTP layer"):
         load_draft_model(w.config, w.model, None, w.device, w.dtype)
+
+
+def test_a_token_map_beside_a_single_file_checkpoint_is_not_read_as_weights(tmp_path):
+    """A hot-vocabulary token map saved next to an unindexed checkpoint (the engine's
+    default place for it) is neither an unexpected tensor nor in the loader's files."""
+    from xllm_py.spec.hot_vocab import TOKEN_MAP_FILE, save_token_map
+
+    path = make_random_checkpoint(tmp_path / "ckpt", seed=5)
+    save_token_map(path / TOKEN_MAP_FILE, torch.arange(320), torch.ones(320))
+    assert all(f.name != TOKEN_MAP_FILE for f in tensor_files(path).values())
+    llm = LLM(model=str(path), dtype="float32", num_speculative_tokens=1,
+              speculative_draft_vocab_size=40)  # fmt: skip
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate({"prompt_token_ids": [3, 4, 5]}, params)[0].outputs[0].token_ids) == 8

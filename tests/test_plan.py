@@ -37,7 +37,7 @@ def plan16(replica):
 def _headers(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (dtype, shape), read with the safetensors library (not the plan's reader)."""
     out = {}
-    for f in sorted(path.glob("*.safetensors")):
+    for f in sorted(set(tensor_files(path).values())):  # the weights (not a token map beside)
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
                 sl = st.get_slice(name)

@@ -42,7 +42,7 @@ from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
 from xllm_py.models.layers.mla import MLAttention
 from xllm_py.models.layers.norm import RMSNorm
 from xllm_py.weights.fp8 import SCALE_SUFFIX, Fp8Config
-from xllm_py.weights.loader import INDEX_FILE, layer_index
+from xllm_py.weights.loader import INDEX_FILE, layer_index, unindexed_weight_files
 
 KINDS = ("attention", "dense", "experts", "embedding/head", "MTP", "norms/rope")
 GIB = 2**30
@@ -130,7 +130,7 @@ def read_headers(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     if index.is_file():
         files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
     else:
-        files = sorted(path.glob("*.safetensors"))
+        files = unindexed_weight_files(path)
     if not files:
         raise ValueError(f"--model={str(path)!r}: no *.safetensors files (and no {INDEX_FILE})")
     out = {}

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from xllm_py.distributed.parallel import ParallelContext
+from xllm_py.weights.loader import TOKEN_MAP_FILE
 
-TOKEN_MAP_FILE = "draft_vocab.safetensors"
+__all__ = ["TOKEN_MAP_FILE", "HotVocabHead", "load_token_map", "save_token_map"]
 
 
 def save_token_map(path: str | Path, token_ids: torch.Tensor, counts: torch.Tensor) -> None:

@@ -36,6 +36,9 @@ from tqdm import tqdm
 from xllm_py.weights.fp8 import FP8, SCALE_SUFFIX, Fp8Config, covering, dequantize, is_scale
 
 INDEX_FILE = "model.safetensors.index.json"
+# A safetensors file that may sit beside the weights without being one: the token map of
+# a hot-vocabulary draft head (spec/hot_vocab.py).
+TOKEN_MAP_FILE = "draft_vocab.safetensors"
 LOAD_THREADS = 8  # shard files read at once
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -68,7 +71,7 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
             if not f.is_file():
                 raise ValueError(f"{index} names {f.name}, which does not exist")
         return files
-    shards = sorted(path.glob("*.safetensors"))
+    shards = unindexed_weight_files(path)
     if not shards:
         raise ValueError(f"{path}: no *.safetensors files (and no {INDEX_FILE})")
     names: dict[str, Path] = {}
@@ -76,6 +79,11 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
         with _open(f) as st:
             names.update(dict.fromkeys(st.keys(), f))
     return names
+
+
+def unindexed_weight_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint without an index: its *.safetensors but the token map."""
+    return sorted(f for f in path.glob("*.safetensors") if f.name != TOKEN_MAP_FILE)
 
 
 class Checkpoint:
