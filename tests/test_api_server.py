@@ -33,7 +33,9 @@ LONG = {"prompt": LONG_PROMPT, "max_tokens": CONTEXT - len(LONG_PROMPT), "ignore
 
 @pytest.fixture(scope="module")
 def mtp_server():
-    with Server("--dtype", "float32", "--num_speculative_tokens=1") as s:
+    with Server(
+        "--dtype", "float32", "--num_speculative_tokens=2", "--speculative_adaptive=true"
+    ) as s:
         yield s
 
 
@@ -180,11 +182,15 @@ def test_prometheus_metrics_after_traffic(mtp_server):
         "xllm:spec_decode_num_draft_tokens_total",
         "xllm:spec_decode_num_accepted_tokens_total",
         "xllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "xllm:spec_decode_adaptive_k",
+        "xllm:spec_decode_adaptive_steps_total",
     ]:
         assert f"\n{name}{{" in text, name
     assert "# HELP xllm:spec_decode_num_drafts_total Verification passes" in text
     assert mtp_server.metric("xllm:spec_decode_num_drafts_total") > 0
     assert mtp_server.metric("xllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    assert mtp_server.metric("xllm:spec_decode_adaptive_k", replica="0") in (0, 1, 2)
+    assert mtp_server.metric("xllm:spec_decode_adaptive_steps_total", k="2") > 0
     assert mtp_server.metric("xllm:request_success_total", finished_reason="length") >= 1
     assert mtp_server.metric("xllm:generation_tokens_total") >= 12
 

@@ -89,6 +89,7 @@ def test_scheduler_output_round_trip():
         num_scheduled_tokens={"c": 3, "b": 3, "a": 1},  # scheduling order, not sorted
         spec_token_ids={"c": [12, 13]},
         finished_req_ids={"x", "y"},
+        num_draft_tokens=0,  # adaptive speculation's k; 0 is a value, not "unset"
     )
     back = sched_from_pb(pb.ExecuteStepRequest.FromString(sched_to_pb(sched).SerializeToString()))
     assert back == sched

@@ -151,9 +151,9 @@ def run_engine(path, k: int):
         logits_seen.append(logits.clone())
         return logits
 
-    def propose(items, hidden, _inner=proposer.propose):
+    def propose(items, hidden, k=None, _inner=proposer.propose):
         logits_seen.clear()
-        drafts = _inner(items, hidden)
+        drafts = _inner(items, hidden, k)
         want = [n for n, it in enumerate(items) if it.wants_drafts]
         for row, n in enumerate(want):
             it = items[n]

@@ -65,16 +65,18 @@ def second_turns(prompts, baseline):
     return convs, turns, [o.token_ids for o in outs], [chosen_logprobs(o) for o in outs]
 
 
+def assert_identical(tokens: list[list[int]], baseline: list[list[int]]) -> None:
+    mismatched = [i for i, (a, b) in enumerate(zip(tokens, baseline)) if a != b]
+    assert not mismatched, f"{len(mismatched)} of {NUM_PROMPTS} differ, e.g. #{mismatched[0]}"
+
+
 @pytest.mark.parametrize("batch", [1, 8, 64])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_speculative_output_identical_on_sharegpt(prompts, baseline, batch, k):
     llm = LLM(dtype="float32", block_size=16, max_seqs_per_batch=batch, num_speculative_tokens=k)
     outs = llm.generate(prompts, PARAMS)
     tokens = [o.outputs[0].token_ids for o in outs]
-    mismatched = [i for i, (a, b) in enumerate(zip(tokens, baseline)) if a != b]
-    assert not mismatched, (
-        f"{len(mismatched)} of {NUM_PROMPTS} prompts differ, e.g. #{mismatched[0]}"
-    )
+    assert_identical(tokens, baseline)
     m = llm.get_metrics()
     assert m.drafts > 0 and 0.3 < m.acceptance_rate <= 1.0  # the MTP head really predicts
     blocks = llm.engine.core.blocks
@@ -154,10 +156,49 @@ def test_hot_vocabulary_drafts_are_lossless_on_sharegpt(prompts, baseline, batch
     hot = set(proposer.hot.token_ids.tolist())
     drafted = []
     propose = proposer.propose
-    proposer.propose = lambda items, hidden: drafted.append(propose(items, hidden)) or drafted[-1]
+    proposer.propose = lambda *a: drafted.append(propose(*a)) or drafted[-1]
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
-    mismatched = [i for i, (a, b) in enumerate(zip(tokens, baseline)) if a != b]
-    assert not mismatched, f"{len(mismatched)} of {NUM_PROMPTS} differ, e.g. #{mismatched[0]}"
+    assert_identical(tokens, baseline)
     flat = [t for step in drafted for d in step for t in d]
     assert len(hot) == HOT_VOCAB and flat and set(flat) <= hot
     assert 0.3 < llm.get_metrics().acceptance_rate < 1.0
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_adaptive_speculation_is_lossless_on_sharegpt(prompts, baseline, batch):
+    """--speculative_adaptive with up to 2 hot-vocabulary drafts: each step carries the k
+    the controller picked (every k is tried at every batch size it sees), and the output
+    is still plain decoding's."""
+    llm = LLM(
+        dtype="float32",
+        block_size=16,
+        max_seqs_per_batch=batch,
+        num_speculative_tokens=2,
+        speculative_draft_vocab_size=HOT_VOCAB,
+        speculative_adaptive=True,
+    )
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
+    assert_identical(tokens, baseline)
+    spec = llm.get_stats().spec
+    assert all(n > 0 for n in spec.steps_by_k), spec.steps_by_k  # k = 0, 1 and 2 all ran
+    assert 0.3 < llm.get_metrics().acceptance_rate < 1.0
+
+
+SEEDED = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kw", [{"num_speculative_tokens": 1}, {"num_speculative_tokens": 3},
+                                {"num_speculative_tokens": 2, "speculative_adaptive": True}],
+                         ids=["k1", "k3", "adaptive"])  # fmt: skip
+def test_seeded_sampling_emits_what_plain_sampling_emits(prompts, kw):
+    """A seeded sampled request gives the same tokens with drafts as without: verification
+    couples each draft with the token plain sampling draws from the same noise
+    (worker/rejection_sampler.py), so neither k nor adaptive changes of k show."""
+    texts = prompts[:16]
+    plain = LLM(dtype="float32", block_size=16, max_seqs_per_batch=8)
+    expected = [o.outputs[0].token_ids for o in plain.generate(texts, SEEDED)]
+    llm = LLM(dtype="float32", block_size=16, max_seqs_per_batch=8, **kw)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(texts, SEEDED)]
+    assert tokens == expected
+    m = llm.get_metrics()
+    assert m.accepted_tokens > 0 and m.accepted_tokens < m.draft_tokens  # kept and missed drafts

@@ -132,7 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
         "speculative_disable_batch_size",
         type=int,
         default=0,
-        help="above this many running requests, decode without drafts (0 = never)",
+        help="above this many running requests, decode without drafts (0 = never; "
+        "not with --speculative_adaptive, which decides this from measured step costs)",
+    )
+    boolean(
+        "speculative_adaptive",
+        False,
+        "choose the drafts per step (0 .. --num_speculative_tokens) from the running "
+        "acceptance per draft position and the step costs measured at the current batch "
+        "size, for the most tokens per second (metric xllm:spec_decode_adaptive_k)",
     )
     flag(
         "speculative_draft_vocab_size",
@@ -342,6 +350,7 @@ def build_config(a: argparse.Namespace):
         num_speculative_tokens=a.num_speculative_tokens,
         draft_model=a.draft_model,
         speculative_disable_batch_size=a.speculative_disable_batch_size,
+        speculative_adaptive=a.speculative_adaptive,
         draft_device=a.draft_devices,
         speculative_draft_vocab_size=a.speculative_draft_vocab_size,
         speculative_token_map=a.speculative_token_map,

@@ -329,6 +329,9 @@ class SpecConfig:
     # Above this many running requests, steps verify no drafts (plain decoding): at high
     # concurrency verifying k + 1 tokens per request can cost more than it saves. 0 = never.
     speculative_disable_batch_size: int = 0
+    # Choose the drafts per step, 0..num_speculative_tokens, for the most tokens per second
+    # (spec/adaptive.py); replaces speculative_disable_batch_size.
+    adaptive: bool = False
     # The draft shares the target's embedding, head and KV blocks, so it must live on the
     # target's device (xLLM's --draft_devices); None = the target's.
     draft_device: str | None = None
@@ -346,6 +349,17 @@ class SpecConfig:
         if self.speculative_disable_batch_size < 0:
             raise ValueError(
                 f"speculative_disable_batch_size={self.speculative_disable_batch_size} must be >= 0"
+            )
+        if self.adaptive and not self.num_speculative_tokens:
+            raise ValueError(
+                "speculative_adaptive=true needs num_speculative_tokens >= 1 (the most drafts "
+                "a step may carry)"
+            )
+        if self.adaptive and self.speculative_disable_batch_size:
+            raise ValueError(
+                f"speculative_disable_batch_size={self.speculative_disable_batch_size} and "
+                "speculative_adaptive=true: adaptive speculation decides when drafting does not "
+                "pay; set one of them"
             )
         if self.draft_model and not self.num_speculative_tokens:
             raise ValueError("draft_model is set but num_speculative_tokens=0 (drafting is off)")

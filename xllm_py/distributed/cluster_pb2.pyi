@@ -177,18 +177,20 @@ class SpecTokens(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteStepRequest(_message.Message):
-    __slots__ = ("new_requests", "cached_requests", "num_scheduled_tokens", "spec_token_ids", "finished_req_ids")
+    __slots__ = ("new_requests", "cached_requests", "num_scheduled_tokens", "spec_token_ids", "finished_req_ids", "num_draft_tokens")
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
     num_scheduled_tokens: _containers.RepeatedCompositeFieldContainer[ScheduledTokens]
     spec_token_ids: _containers.RepeatedCompositeFieldContainer[SpecTokens]
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., spec_token_ids: _Optional[_Iterable[_Union[SpecTokens, _Mapping]]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_draft_tokens: int
+    def __init__(self, new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., spec_token_ids: _Optional[_Iterable[_Union[SpecTokens, _Mapping]]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Logprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -77,6 +77,7 @@ def sched_to_pb(s: SchedulerOutput) -> pb.ExecuteStepRequest:
         ],
         spec_token_ids=[pb.SpecTokens(req_id=k, token_ids=t) for k, t in s.spec_token_ids.items()],
         finished_req_ids=sorted(s.finished_req_ids),
+        num_draft_tokens=s.num_draft_tokens,
     )
 
 
@@ -102,6 +103,7 @@ def sched_from_pb(msg: pb.ExecuteStepRequest) -> SchedulerOutput:
         num_scheduled_tokens={e.req_id: e.num_tokens for e in msg.num_scheduled_tokens},
         spec_token_ids={e.req_id: list(e.token_ids) for e in msg.spec_token_ids},
         finished_req_ids=set(msg.finished_req_ids),
+        num_draft_tokens=msg.num_draft_tokens if msg.HasField("num_draft_tokens") else None,
     )
 
 

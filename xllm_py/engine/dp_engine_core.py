@@ -132,8 +132,13 @@ def _merge_spec(parts: list[SpecDecodeStats]) -> SpecDecodeStats:
         out.drafts += p.drafts
         out.draft_tokens += p.draft_tokens
         out.accepted_tokens += p.accepted_tokens
-        width = max(len(out.accepted_per_position), len(p.accepted_per_position))
-        a = out.accepted_per_position + [0] * (width - len(out.accepted_per_position))
-        b = p.accepted_per_position + [0] * (width - len(p.accepted_per_position))
-        out.accepted_per_position = [x + y for x, y in zip(a, b)]
+        out.accepted_per_position = _add(out.accepted_per_position, p.accepted_per_position)
+        out.adaptive_k += p.adaptive_k
+        out.steps_by_k = _add(out.steps_by_k, p.steps_by_k)
     return out
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sum of two count lists of possibly different lengths."""
+    width = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (width - len(a)), b + [0] * (width - len(b)))]

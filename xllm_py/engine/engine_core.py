@@ -9,6 +9,7 @@ an `Executor`. It knows token ids, never text.
 from __future__ import annotations
 
 import logging
+import time
 
 from xllm_py.cache.block_manager import BlockManager
 from xllm_py.config import EngineConfig
@@ -16,6 +17,7 @@ from xllm_py.engine.request import Request
 from xllm_py.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from xllm_py.executor.base import Executor
 from xllm_py.sampling_params import SamplingParams
+from xllm_py.spec.adaptive import AdaptiveSpeculation
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,9 @@ class EngineCore:
             self.blocks,
             config.cache.num_lookahead_tokens,
             config.spec.speculative_disable_batch_size,
+            AdaptiveSpeculation(config.spec.num_speculative_tokens)
+            if config.spec.adaptive
+            else None,
         )
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -115,7 +120,9 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.num_scheduled_tokens and not sched.finished_req_ids:
             return []
+        t0 = time.perf_counter()
         result = self.executor.execute(sched)
+        self.scheduler.record_step_time(sched, time.perf_counter() - t0)
         return self.scheduler.update(sched, result)
 
     def stats(self) -> SchedulerStats:

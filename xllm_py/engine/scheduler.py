@@ -27,6 +27,7 @@ from xllm_py.executor.messages import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from xllm_py.spec.adaptive import AdaptiveSpeculation
 from xllm_py.spec.metrics import SpecDecodeStats
 
 
@@ -59,9 +60,11 @@ class Scheduler:
         block_manager: BlockManager,
         num_lookahead_tokens: int = 0,
         spec_disable_batch_size: int = 0,
+        adaptive: AdaptiveSpeculation | None = None,
     ) -> None:
         self.config = config
         self.spec_disable_batch_size = spec_disable_batch_size
+        self.adaptive = adaptive  # chooses the drafts per step (spec/adaptive.py), when on
         self.blocks = block_manager
         self.num_lookahead = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
@@ -110,14 +113,16 @@ class Scheduler:
         budget = self.config.max_tokens_per_batch
         preempted = False
         limit = self.spec_disable_batch_size
-        use_drafts = not limit or len(self.running) <= limit
+        max_drafts = 0 if limit and len(self.running) > limit else None  # None: all of them
+        if self.adaptive is not None:
+            max_drafts = out.num_draft_tokens = self.adaptive.choose(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
             # Drafts past the request's last possible token (max_tokens, context) are waste.
-            room = req.max_output - len(req.output_token_ids) - 1
-            drafts = req.spec_token_ids[: max(room, 0)] if use_drafts else []
+            room = max(req.max_output - len(req.output_token_ids) - 1, 0)
+            drafts = req.spec_token_ids[: room if max_drafts is None else min(room, max_drafts)]
             n = min(remaining + len(drafts), budget)
             while not self.blocks.allocate(req, n, self.num_lookahead):
                 victim = self.running.pop()
@@ -196,6 +201,7 @@ class Scheduler:
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
+        judged: list[tuple[int, int]] = []  # (drafts, accepted) per request, for adaptive k
         for row, req_id in enumerate(result.req_ids):
             req = self.requests.get(req_id)
             if req is None:  # aborted while the step ran
@@ -204,6 +210,7 @@ class Scheduler:
             drafts = sched.spec_token_ids.get(req_id, [])
             accepted = max(len(sampled) - 1, 0)  # drafts the target agreed with
             self.spec_stats.record(drafts, accepted)
+            judged.append((len(drafts), accepted))
             # Verified: every scheduled token except the rejected drafts.
             req.num_computed_tokens += sched.num_scheduled_tokens[req_id] - (len(drafts) - accepted)
             new_tokens: list[int] = []
@@ -227,7 +234,22 @@ class Scheduler:
                         req_id, new_tokens, logprobs, req.finish_reason, req.stop_reason
                     )
                 )
+        if self.adaptive is not None:
+            self.adaptive.observe_acceptance(judged)
         return outputs
+
+    def record_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
+        """Feed adaptive speculation the cost of a clean step: every request decoding and
+        verifying exactly the drafts the step also asked for (no prompt chunk, no change
+        of k between this step and the one before)."""
+        k = sched.num_draft_tokens
+        if self.adaptive is None or k is None or sched.new_requests:
+            return
+        for req_id, n in sched.num_scheduled_tokens.items():
+            if n != 1 + k or len(sched.spec_token_ids.get(req_id, ())) != k:
+                return
+        if sched.num_scheduled_tokens:
+            self.adaptive.observe_step(len(sched.num_scheduled_tokens), k, seconds)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -237,5 +259,5 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.blocks.prefix_queries,
             prefix_cache_hits=self.blocks.prefix_hits,
-            spec=self.spec_stats.snapshot(),
+            spec=self.spec_stats.snapshot(self.adaptive),
         )

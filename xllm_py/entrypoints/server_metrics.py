@@ -93,6 +93,23 @@ class _StatsCollector(Collector):
         for pos, n in enumerate(spec.accepted_per_position):
             per.add_metric([self.model, str(pos)], n)
         yield per
+        if spec.adaptive_k:  # --speculative_adaptive
+            k = GaugeMetricFamily(
+                "xllm:spec_decode_adaptive_k",
+                "Draft tokens per request that adaptive speculation chose for the latest step.",
+                labels=["model_name", "replica"],
+            )
+            for replica, value in enumerate(spec.adaptive_k):
+                k.add_metric([self.model, str(replica)], value)
+            yield k
+            steps = CounterMetricFamily(
+                "xllm:spec_decode_adaptive_steps",
+                "Steps adaptive speculation ran with k draft tokens per request.",
+                labels=["model_name", "k"],
+            )
+            for n_drafts, n in enumerate(spec.steps_by_k):
+                steps.add_metric([self.model, str(n_drafts)], n)
+            yield steps
 
 
 class ServerMetrics:

@@ -41,6 +41,9 @@ class SchedulerOutput:
     # num_scheduled_tokens (after its last verified token), at positions past its length
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted
+    # Drafts per request the workers propose after this step (adaptive speculation);
+    # None = num_speculative_tokens. 0 also skips the MTP pass of decoding requests.
+    num_draft_tokens: int | None = None
 
 
 TokenLogprobs = dict[int, float]  # token id -> logprob; the chosen token first, then the top N

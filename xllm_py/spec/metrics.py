@@ -1,13 +1,20 @@
-"""Speculative-decoding counters, as data (a Prometheus exporter consumes them later).
+"""Speculative-decoding counters, as data (entrypoints/server_metrics.py exports them).
 
 acceptance rate          = accepted_tokens / draft_tokens
 mean acceptance length   = 1 + accepted_tokens / drafts   (tokens per target pass)
 acceptance at position j = accepted_per_position[j] / drafts
+
+With adaptive speculation (spec/adaptive.py) the snapshot also carries the k each
+replica chose for its latest step and how many steps ran at each k.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from xllm_py.spec.adaptive import AdaptiveSpeculation
 
 
 @dataclass
@@ -16,6 +23,8 @@ class SpecDecodeStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    adaptive_k: list[int] = field(default_factory=list)  # per replica: k of its latest step
+    steps_by_k: list[int] = field(default_factory=list)  # adaptive steps run at k = 0, 1, ...
 
     def record(self, drafts: list[int], accepted: int) -> None:
         if not drafts:
@@ -28,10 +37,15 @@ class SpecDecodeStats:
         for j in range(accepted):
             self.accepted_per_position[j] += 1
 
-    def snapshot(self) -> SpecDecodeStats:
+    def snapshot(self, adaptive: AdaptiveSpeculation | None = None) -> SpecDecodeStats:
         """A copy that later steps do not change (for before/after differences)."""
         return SpecDecodeStats(
-            self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_per_position)
+            self.drafts,
+            self.draft_tokens,
+            self.accepted_tokens,
+            list(self.accepted_per_position),
+            [adaptive.k] if adaptive is not None else [],
+            list(adaptive.steps_by_k) if adaptive is not None else [],
         )
 
     @property

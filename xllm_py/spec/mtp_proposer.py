@@ -90,10 +90,15 @@ class MTPProposer:
             out[layer] = (1 + self.k, 1) if chained else (1 + self.k,)
         return out
 
-    def propose(self, items: list[ProposeInput], target_hidden: torch.Tensor) -> list[list[int]]:
-        """One list of drafts (k tokens, or none) per item."""
+    def propose(
+        self, items: list[ProposeInput], target_hidden: torch.Tensor, k: int | None = None
+    ) -> list[list[int]]:
+        """One list of drafts (k tokens, or none) per item. `k` below the configured number
+        (adaptive speculation) shortens the chain; every layer the configured number uses
+        still fills its cache."""
         if not items:
             return []
+        k = self.k if k is None else min(k, self.k)
         rows = [r for it in items for r in it.rows]
         next_ids = [t for it in items for t in it.next_ids]
         positions = [it.start + j for it in items for j in range(len(it.rows))]
@@ -117,7 +122,7 @@ class MTPProposer:
         tokens = self._draft_tokens(x, 0)
         for i, t in zip(want, tokens.tolist()):
             drafts[i].append(t)
-        for step in range(1, self.k):
+        for step in range(1, k):
             # Chained draft j sits at (last verified position + j); stop at the context end.
             keep = [n for n, i in enumerate(want) if self._last(items[i]) + step < self.max_len]
             if not keep:

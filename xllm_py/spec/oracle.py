@@ -19,13 +19,15 @@ class OracleProposer:
     def __init__(self, runner, reference: dict[tuple, list[int]], k: int, inner=None) -> None:
         self.runner, self.reference, self.k, self.inner = runner, reference, k, inner
 
-    def propose(self, items, hidden):
+    def propose(self, items, hidden, k: int | None = None):
+        """Like MTPProposer.propose: k (adaptive speculation) caps the drafts."""
         if self.inner is not None:
-            self.inner.propose(items, hidden)  # paid for; its drafts are replaced below
+            self.inner.propose(items, hidden, k)  # paid for; its drafts are replaced below
+        k = self.k if k is None else min(k, self.k)
         out = []
         for it in items:
             req = self.runner.requests[it.req_id]
             full = self.reference[tuple(req.token_ids[: req.num_prompt_tokens])]
             n = it.start + len(it.rows) + 1  # verified tokens + the one just sampled
-            out.append(full[n : n + self.k] if it.wants_drafts else [])
+            out.append(full[n : n + k] if it.wants_drafts else [])
         return out

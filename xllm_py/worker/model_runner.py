@@ -188,8 +188,10 @@ class ModelRunner:
 
     def _propose(self, req_ids, sched, layouts, out: ModelRunnerOutput, hidden) -> list[list[int]]:
         """Run the MTP layer over every request's newly verified positions; drafts for the
-        requests that sampled this step (greedy or not: verification is exact for both)."""
+        requests that sampled this step (greedy or not: verification is exact for both).
+        With adaptive k = 0 (`sched.num_draft_tokens`) only prompt chunks run it."""
         items = []
+        k = sched.num_draft_tokens
         for i, req_id in enumerate(req_ids):
             req, lay = self.requests[req_id], layouts[i]
             drafts = sched.spec_token_ids.get(req_id, [])
@@ -197,6 +199,8 @@ class ModelRunner:
             verified = lay.q_len - len(drafts) + max(len(new) - 1, 0)  # rows now verified
             seq = req.token_ids + new  # t_{i+1} of every verified position i
             s = lay.ctx_len - lay.q_len
+            if k == 0 and s >= req.num_prompt_tokens:
+                continue  # adaptive k = 0: a decoding request skips the MTP pass
             items.append(
                 ProposeInput(
                     req_id=req_id,
@@ -204,10 +208,11 @@ class ModelRunner:
                     start=s,
                     next_ids=seq[s + 1 : s + 1 + verified],
                     block_ids=req.block_ids,
-                    wants_drafts=bool(new),
+                    wants_drafts=bool(new) and k != 0,
                 )
             )
-        return self.proposer.propose(items, hidden)
+        drafts = dict(zip([it.req_id for it in items], self.proposer.propose(items, hidden, k)))
+        return [drafts.get(req_id, []) for req_id in req_ids]
 
     def _sampling_batch(self, rows: list[tuple[RunnerRequest, int]]) -> SamplingBatch:
         """Per-row parameters; row (request, j) samples the request's output number

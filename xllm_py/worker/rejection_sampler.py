@@ -15,6 +15,13 @@ A request emits accepted + 1 tokens. Greedy requests have one-hot p, so this is
 
 Draws for a seeded request come from a generator seeded by (seed, output index),
 like the plain sampler, so a seeded request repeats whatever else is batched.
+
+With one-hot q (greedy drafts, what the MTP proposer makes) the rule is realised as a
+coupling: each row draws x from p_{j-1} exactly as plain sampling would, d_j is kept iff
+it equals x, and at the first miss x itself is the recovered token. Keeping has
+probability p_{j-1}(d_j), as above, and the emitted tokens are exactly the ones plain
+sampling draws from the same noise: a seeded request's output does not depend on the
+drafts, on k, or on adaptive speculation changing k from step to step.
 """
 
 from __future__ import annotations
@@ -57,12 +64,23 @@ def verify(
         if draft_probs is None
         else draft_probs
     )
-    p_d, q_d = p.gather(1, ids.unsqueeze(1)).squeeze(1), q.gather(1, ids.unsqueeze(1)).squeeze(1)
-    accept = (uniform[rows] * q_d < p_d).tolist()  # u < p/q without dividing by zero
-    residual = (p - q).clamp(min=0)
-    # Rows where p <= q everywhere cannot reject; keep a valid distribution there anyway.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    recovered = (residual / noise[rows]).argmax(dim=-1).tolist()
+    if draft_probs is None:
+        # One-hot q: the coupled rule. x = the token plain sampling draws at this row (the
+        # same exponential race, the same seeded noise); keep d iff d == x, else emit x.
+        # P(keep) = p(d) = min(1, p(d) / q(d)) as in the rule below, every emitted token
+        # is distributed as p, and a seeded request emits what it would without drafts,
+        # whichever drafts (or how many) its steps carried.
+        recovered = (p / noise[rows]).argmax(dim=-1)
+        accept = (recovered == ids).tolist()
+        recovered = recovered.tolist()
+    else:
+        p_d = p.gather(1, ids.unsqueeze(1)).squeeze(1)
+        q_d = q.gather(1, ids.unsqueeze(1)).squeeze(1)
+        accept = (uniform[rows] * q_d < p_d).tolist()  # u < p/q without dividing by zero
+        residual = (p - q).clamp(min=0)
+        # Rows where p <= q everywhere cannot reject; keep a valid distribution there anyway.
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+        recovered = (residual / noise[rows]).argmax(dim=-1).tolist()
     out, d_at = [], 0
     for i, d in enumerate(drafts):
         emitted = []

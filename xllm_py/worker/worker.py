@@ -324,8 +324,11 @@ class Worker:
         )
         if self.graph_mode:
             k = self.config.spec.num_speculative_tokens
+            # Verification of k drafts has 1 + k rows per request; adaptive speculation
+            # verifies any number up to k, so each of those lengths gets its graphs.
+            q_lens = tuple(range(1, k + 2)) if self.config.spec.adaptive else (1, 1 + k)
             self.runner.graphs = self._graph_runner(
-                self.model.forward, caches, num_blocks, (1, 1 + k) if k else (1,)
+                self.model.forward, caches, num_blocks, q_lens if k else (1,)
             )
         if self.draft is not None:
             self.runner.proposer = MTPProposer(

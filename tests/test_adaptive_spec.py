@@ -1,0 +1,165 @@
+"""Adaptive speculation (--speculative_adaptive, spec/adaptive.py): the controller picks
+the k with the most tokens per second from what it measured, per batch size; the
+engine stays lossless whatever k each step carries, including k = 0 steps that skip
+the MTP pass. The ShareGPT lossless bar at batch 1/8/64 is in test_spec_sharegpt.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_spec_decode import GREEDY, baseline, ckpt, generate, prompts  # noqa: F401
+from xllm_py import LLM
+from xllm_py.engine.scheduler import Scheduler
+from xllm_py.executor.messages import NewRequestData, SchedulerOutput
+from xllm_py.sampling_params import SamplingParams
+from xllm_py.spec.adaptive import EXPLORE_EVERY, AdaptiveSpeculation, batch_bucket
+
+
+def simulate(ctl: AdaptiveSpeculation, batches, cost, accept: float, steps: int) -> list[int]:
+    """Drive the controller like the engine does: choose, then report a clean step's cost
+    (when the previous step carried the same k) and every request's verdicts, drafts
+    accepted one after another with probability `accept` (deterministic pattern)."""
+    chosen, prev, n = [], None, 0
+    for step in range(steps):
+        b = batches(step)
+        k = ctl.choose(b)
+        if prev == k:
+            ctl.observe_step(b, k, cost(b, k))
+        verdicts = []
+        for _ in range(b):
+            accepted = 0
+            while accepted < k and (n % 100) < accept * 100:
+                accepted += 1
+                n += 37  # a fixed stride through 0..99: the acceptance rate is `accept`
+            n += 37
+            verdicts.append((k, accepted))
+        ctl.observe_acceptance(verdicts)
+        chosen.append(k)
+        prev = k
+    return chosen
+
+
+def settled(chosen: list[int]) -> int:
+    """The k of most steps in the second half (exploration aside)."""
+    tail = chosen[len(chosen) // 2 :]
+    return max(set(tail), key=tail.count)
+
+
+def test_cheap_drafts_that_are_accepted_run_at_the_largest_k():
+    ctl = AdaptiveSpeculation(3)
+    chosen = simulate(ctl, lambda s: 1, lambda b, k: 1.0 + 0.1 * k, accept=0.8, steps=600)
+    assert settled(chosen) == 3
+    assert ctl.acceptance(0) == pytest.approx(0.8, abs=0.05)
+    assert ctl.expected_tokens(3) > ctl.expected_tokens(1) > 1.0
+
+
+def test_drafts_that_cost_more_than_they_save_are_turned_off():
+    ctl = AdaptiveSpeculation(3)
+    chosen = simulate(ctl, lambda s: 8, lambda b, k: 1.0 + 0.6 * k, accept=0.3, steps=600)
+    assert settled(chosen) == 0
+    tail = chosen[300:]
+    # Off, except the periodic trial of the neighbour (k = 1) that keeps its cost fresh.
+    assert 0.85 < tail.count(0) / len(tail) < 1.0 and set(tail) == {0, 1}
+
+
+def test_each_batch_size_gets_its_own_k():
+    """Drafting pays at batch 1 (cheap) but not at 16 (verification is compute-bound there);
+    the load alternates between the two every 50 steps."""
+
+    def cost(b, k):
+        return 1.0 + (0.05 if b == 1 else 0.8) * k
+
+    ctl = AdaptiveSpeculation(2)
+    chosen = simulate(ctl, lambda s: 1 if (s // 50) % 2 else 16, cost, accept=0.6, steps=1000)
+    at_1 = [k for s, k in enumerate(chosen) if s >= 500 and (s // 50) % 2]
+    at_16 = [k for s, k in enumerate(chosen) if s >= 500 and not (s // 50) % 2]
+    assert settled(at_1) == 2 and settled(at_16) == 0
+    assert batch_bucket(1) != batch_bucket(16) and batch_bucket(3) == batch_bucket(4)
+
+
+def test_a_changed_workload_changes_k():
+    """Acceptance falls from 0.9 to 0.1 at step 400: k follows within the next 200 steps."""
+    ctl = AdaptiveSpeculation(2)
+    cost = lambda b, k: 1.0 + 0.3 * k  # noqa: E731
+    first = simulate(ctl, lambda s: 4, cost, accept=0.9, steps=400)
+    second = simulate(ctl, lambda s: 4, cost, accept=0.1, steps=400)
+    assert settled(first) == 2 and settled(second) == 0
+    # every k was tried in the first steps, the periodic trials come every EXPLORE_EVERY
+    assert set(first[:12]) == {0, 1, 2}
+    assert len([k for k in second[200:] if k]) <= 2 * (200 // EXPLORE_EVERY + 1) * 3
+
+
+def test_only_clean_steps_are_timed():
+    """A step with a prompt chunk, or one verifying fewer drafts than it asks for (the
+    first step after k grew), says nothing about the cost of k."""
+    ctl = AdaptiveSpeculation(2)
+    sched = Scheduler.__new__(Scheduler)
+    sched.adaptive = ctl
+
+    def step(**kw):
+        sched.record_step_time(SchedulerOutput(num_draft_tokens=2, **kw), 0.5)
+        return sum(b.samples.get(2, 0) for b in ctl.buckets.values())
+
+    assert step(num_scheduled_tokens={"a": 3, "b": 1}, spec_token_ids={"a": [1, 2]}) == 0
+    prefill = NewRequestData("c", [1, 2, 3], 3, SamplingParams(), [0], 0)
+    assert (
+        step(new_requests=[prefill], num_scheduled_tokens={"a": 3}, spec_token_ids={"a": [1, 2]})
+        == 0
+    )
+    assert step(num_scheduled_tokens={"a": 3}, spec_token_ids={"a": [1, 2]}) == 1
+    assert ctl.buckets[batch_bucket(1)].costs[2] == 0.5
+
+
+def test_adaptive_needs_drafts_and_replaces_the_disable_batch_size(ckpt):  # noqa: F811
+    with pytest.raises(ValueError, match="speculative_adaptive=true needs num_speculative"):
+        LLM(model=str(ckpt), speculative_adaptive=True)
+    with pytest.raises(ValueError, match="speculative_disable_batch_size=4 and speculative_ad"):
+        LLM(
+            model=str(ckpt),
+            num_speculative_tokens=2,
+            speculative_adaptive=True,
+            speculative_disable_batch_size=4,
+        )
+
+
+def test_k_changing_every_few_steps_is_lossless(ckpt, prompts, baseline):  # noqa: F811
+    """The engine follows whatever k the controller picks: off (the MTP pass skipped by
+    decoding requests, which leaves gaps in their MTP cache), 1, 2, and back."""
+    llm = LLM(
+        model=str(ckpt),
+        dtype="float32",
+        block_size=16,
+        num_speculative_tokens=2,
+        speculative_adaptive=True,
+    )
+    ctl = llm.engine.core.scheduler.adaptive
+    pattern = [0, 0, 0, 2, 2, 1, 0, 2, 2, 2, 1, 1]
+    steps = iter(range(10**6))
+    ctl.choose = lambda batch: pattern[next(steps) % len(pattern)]
+    proposer = llm.engine.core.executor.worker.runner.proposer
+    seen = []
+    propose = proposer.propose
+
+    def spy(items, hidden, k=None):
+        seen.append((k, [it.start for it in items]))
+        return propose(items, hidden, k)
+
+    proposer.propose = spy
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == baseline
+    m = llm.get_metrics()
+    assert m.drafts > 0 and max(len(m.accepted_per_position), 0) <= 2
+    # At k = 0 only prompt chunks (which start at position 0 here) reach the MTP layer.
+    assert all(start == 0 for k, starts in seen if k == 0 for start in starts)
+    assert any(k == 0 for k, _ in seen) and any(k == 2 for k, _ in seen)
+    blocks = llm.engine.core.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_adaptive_engine_reports_its_choices(ckpt, prompts, baseline):  # noqa: F811
+    tokens, llm = generate(ckpt, prompts, num_speculative_tokens=2, speculative_adaptive=True)
+    assert tokens == baseline
+    spec = llm.get_stats().spec
+    assert len(spec.adaptive_k) == 1 and 0 <= spec.adaptive_k[0] <= 2
+    # every k was tried while the controller measured the first batch size it saw
+    assert len(spec.steps_by_k) == 3 and all(n > 0 for n in spec.steps_by_k)

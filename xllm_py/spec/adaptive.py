@@ -1,0 +1,148 @@
+"""Adaptive speculation: how many MTP drafts (0..K) the next step should carry.
+
+A step with k drafts per request costs c(b, k) seconds at decode batch size b and
+yields, per request, the expected number of tokens
+
+    E(k) = 1 + sum_{j=1..k} a_1 * a_2 * ... * a_j
+
+where a_j is the running rate at which draft j is accepted given drafts 1..j-1 were.
+The controller picks the k that maximises E(k) / c(b, k), i.e. tokens per second.
+
+* Acceptance: counts per draft position, decayed by DECAY at every step (a window
+  of roughly 1 / (1 - DECAY) steps), so a change of workload shows within a few
+  dozen steps. Before any draft has been seen, a_j = PRIOR_ACCEPTANCE.
+* Cost: measured, never modelled. The engine times every step; only "clean" steps
+  count (every request decoding, every one verifying exactly the k drafts the step
+  also proposes; prefill chunks and transitions between k values are left out). Batch
+  sizes share a cost per power-of-two bucket (1, 2, 3-4, 5-8, ...).
+* Exploration: a bucket first tries every k from K down to 0 for HOLD steps each
+  (the first of them is a transition, so HOLD - 1 clean samples). Afterwards, every
+  EXPLORE_EVERY steps in a bucket, one neighbour of the best k (alternately below
+  and above) is held for HOLD steps to refresh its cost. A new best must beat the
+  current k by SWITCH_MARGIN, so noise does not make k flap.
+
+With k = 0 the worker skips the MTP pass of the requests that are decoding: that is
+what makes a step as cheap as plain decoding. Their MTP latent cache then has no
+entries for the positions decoded at k = 0; drafts proposed later attend over those
+slots as they are (still lossless: the target verifies every draft, but acceptance
+can be lower on such requests until they finish). Prompt chunks still run through
+the MTP layer, so requests admitted at k = 0 draft well once k rises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DECAY = 0.98
+PRIOR_ACCEPTANCE = 0.7
+HOLD = 4
+EXPLORE_EVERY = 64
+SWITCH_MARGIN = 0.03
+COST_EMA = 0.2
+
+
+def batch_bucket(batch: int) -> int:
+    """1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ...: batch sizes that share a step cost."""
+    return max(batch - 1, 0).bit_length()
+
+
+@dataclass
+class _Bucket:
+    costs: dict[int, float] = field(default_factory=dict)  # k -> seconds per clean step
+    samples: dict[int, int] = field(default_factory=dict)  # k -> clean steps measured
+    steps: int = 0  # steps chosen in this bucket
+    explore_up: bool = False  # which neighbour the next refresh tries
+
+
+class AdaptiveSpeculation:
+    def __init__(self, max_k: int) -> None:
+        if max_k < 1:
+            raise ValueError(f"adaptive speculation needs num_speculative_tokens >= 1, got {max_k}")
+        self.max_k = max_k
+        self.reached = [0.0] * max_k  # decayed count of drafts at position j that were judged
+        self.accepted = [0.0] * max_k  # ... and accepted
+        self.buckets: dict[int, _Bucket] = {}
+        self.k = max_k  # the k of the current step (read by /metrics)
+        self._trial: tuple[int, int, int] | None = None  # (bucket, k, steps left)
+        self.steps_by_k = [0] * (max_k + 1)
+
+    # ---- what the scheduler asks ----------------------------------------------------------
+
+    def choose(self, batch: int) -> int:
+        """The k for a step whose decode batch has `batch` requests."""
+        b = batch_bucket(batch)
+        bucket = self.buckets.setdefault(b, _Bucket())
+        bucket.steps += 1
+        k = self._next(b, bucket)
+        self.k = k
+        self.steps_by_k[k] += 1
+        return k
+
+    def _next(self, b: int, bucket: _Bucket) -> int:
+        if self._trial is not None and self._trial[0] == b and self._trial[2] > 0:
+            _, k, left = self._trial
+            self._trial = (b, k, left - 1)
+            return k
+        untried = [k for k in range(self.max_k, -1, -1) if bucket.samples.get(k, 0) < HOLD - 1]
+        if untried:
+            return self._start_trial(b, untried[0])
+        best = self.best(b)
+        if bucket.steps % EXPLORE_EVERY == 0:
+            bucket.explore_up = not bucket.explore_up
+            other = best + 1 if bucket.explore_up else best - 1
+            if 0 <= other <= self.max_k:
+                return self._start_trial(b, other)
+        return best
+
+    def _start_trial(self, b: int, k: int) -> int:
+        self._trial = (b, k, HOLD - 1)
+        return k
+
+    def best(self, batch_bucket_index: int) -> int:
+        """The k with the most expected tokens per second among those measured."""
+        bucket = self.buckets[batch_bucket_index]
+        rates = {k: self.expected_tokens(k) / c for k, c in bucket.costs.items() if c > 0}
+        if not rates:
+            return self.k
+        best = max(rates, key=rates.get)
+        current = self.k if self.k in rates else best
+        if rates[best] > rates[current] * (1 + SWITCH_MARGIN):
+            return best
+        return current
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k): tokens one request gains from a step with k drafts."""
+        total, run = 1.0, 1.0
+        for j in range(k):
+            run *= self.acceptance(j)
+            total += run
+        return total
+
+    def acceptance(self, j: int) -> float:
+        """Rate at which draft j (0-based) is accepted when drafts 0..j-1 were."""
+        if self.reached[j] < 1.0:
+            return PRIOR_ACCEPTANCE
+        return self.accepted[j] / self.reached[j]
+
+    # ---- what the step reports ------------------------------------------------------------
+
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        """A clean step: `batch` requests each verified and proposed `k` drafts."""
+        bucket = self.buckets.setdefault(batch_bucket(batch), _Bucket())
+        n = bucket.samples.get(k, 0)
+        old = bucket.costs.get(k)
+        # The first samples are averaged, later ones move an exponential average.
+        w = max(1.0 / (n + 1), COST_EMA)
+        bucket.costs[k] = seconds if old is None else old + w * (seconds - old)
+        bucket.samples[k] = n + 1
+
+    def observe_acceptance(self, results: list[tuple[int, int]]) -> None:
+        """One step's (drafts verified, drafts accepted) per request."""
+        for j in range(self.max_k):
+            self.reached[j] *= DECAY
+            self.accepted[j] *= DECAY
+        for drafts, accepted in results:
+            for j in range(min(drafts, accepted + 1)):  # judged: every draft up to the first miss
+                self.reached[j] += 1.0
+                if j < accepted:
+                    self.accepted[j] += 1.0
