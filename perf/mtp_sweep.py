@@ -132,10 +132,12 @@ class Daemon:
         self.log.close()
 
 
-def server_command(args, k: int, port: int) -> list[str]:
+def server_command(args, k: int, port: int, adaptive: bool = False) -> list[str]:
     if args.launch:
         return shlex.split(args.launch.format(port=port, k=k))
     cmd = [sys.executable, "-m", "xllm_py", "--port", str(port), f"--num_speculative_tokens={k}"]
+    if adaptive:
+        cmd.append("--speculative_adaptive=true")
     if args.model:
         cmd += ["--model", args.model]
     return cmd + shlex.split(args.server_args)
@@ -236,6 +238,17 @@ def table(rows: list[dict], peer: dict | None) -> str:
     return out
 
 
+def flag_value(flags: list[str], name: str) -> str | None:
+    """The value of --name in a daemon command line (--name=v or --name v), else None."""
+    value = None
+    for i, f in enumerate(flags):
+        if f.startswith(f"--{name}="):
+            value = f.split("=", 1)[1]
+        elif f == f"--{name}" and i + 1 < len(flags):
+            value = flags[i + 1]
+    return value
+
+
 def add_ceiling(args, rows: list[dict], input_len: int, output_len: int) -> dict | None:
     """Each MTP row's `ceiling` (perf/mtp_ceiling.py) at its k and measured acceptance length,
     the KV read over input_len + output_len / 2 tokens; routing statistics from
@@ -248,10 +261,9 @@ def add_ceiling(args, rows: list[dict], input_len: int, output_len: int) -> dict
     try:
         model = args.model or bundled_model()
         flags = shlex.split(args.server_args)
-        draft = next((f.split("=", 1)[1] for f in flags if f.startswith("--draft_model=")), None)
-        if "--draft_model" in flags[:-1]:
-            draft = flags[flags.index("--draft_model") + 1]
-        bm = mtp_ceiling.byte_model(model, draft_model=draft)
+        draft = flag_value(flags, "draft_model")
+        vocab = int(flag_value(flags, "speculative_draft_vocab_size") or 0)
+        bm = mtp_ceiling.byte_model(model, draft_model=draft, draft_vocab=vocab)
         if args.ceiling_routing:
             routing = json.loads(args.ceiling_routing.read_text())["routing"]
         else:
@@ -318,6 +330,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="with --launch: command that stops what it started (for launchers that return, "
         "e.g. 'scripts/launch_cluster.sh stop')",
     )
+    ap.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="also run MTP with --speculative_adaptive (k chosen per step, up to the largest --k)",
+    )
     ap.add_argument("--no-ceiling", action="store_true", help="leave out the ceiling column")
     ap.add_argument(
         "--ceiling-routing",
@@ -335,22 +352,30 @@ def main(argv: list[str] | None = None) -> dict:
         "--result-dir", type=Path, default=ROOT / "perf/results/mtp_sweep", help="output folder"
     )
     args = ap.parse_args(argv)
+    if args.adaptive and args.launch:
+        ap.error("--adaptive runs our daemon with --speculative_adaptive; not with --launch")
     raw = args.result_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    methods = [("baseline", 0)] + [(f"MTP k={k}", k) for k in args.k]
+    # (name, file tag, the daemon's command line)
+    methods = [("baseline", "k0", server_command(args, 0, args.port))]
+    methods += [(f"MTP k={k}", f"k{k}", server_command(args, k, args.port)) for k in args.k]
+    if args.adaptive:
+        top = max(args.k)
+        cmd = server_command(args, top, args.port, adaptive=True)
+        methods.append((f"MTP adaptive k<={top}", "adaptive", cmd))
     results: dict[str, dict[int, dict]] = {}
-    for name, k in methods:
+    for name, tag, cmd in methods:
         print(f"== {name}: starting the server", flush=True)
         daemon = Daemon(
-            server_command(args, k, args.port),
-            args.result_dir / f"server_k{k}.log",
+            cmd,
+            args.result_dir / f"server_{tag}.log",
             args.port,
             shlex.split(args.launch_stop) if args.launch and args.launch_stop else None,
         )
         try:
             warm_up(daemon.url)
             for c in args.concurrency:
-                res = bench_serving.run(bench_argv(args, daemon.url, c, raw, f"k{k}_c{c}"))
+                res = bench_serving.run(bench_argv(args, daemon.url, c, raw, f"{tag}_c{c}"))
                 results.setdefault(name, {})[c] = res
                 print(
                     f"   concurrency {c:>3}: {res['output_throughput']:8.1f} output tok/s, "
@@ -363,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for c in args.concurrency:
         base = results["baseline"][c]["output_throughput"]
-        for name, _ in methods:
+        for name, _, _ in methods:
             r = results[name][c]
             rows.append(
                 {

@@ -18,6 +18,7 @@ def test_sweep_writes_table_plot_and_json(tmp_path):
             "--output-len", "6",
             "--port", str(free_port()),
             "--server-args", "--dtype float32",
+            "--adaptive",
             "--result-dir", str(tmp_path),
         ]
     )  # fmt: skip
@@ -25,14 +26,17 @@ def test_sweep_writes_table_plot_and_json(tmp_path):
     assert [(r["method"], r["concurrency"]) for r in rows] == [
         ("baseline", 1),
         ("MTP k=1", 1),
+        ("MTP adaptive k<=1", 1),
         ("baseline", 2),
         ("MTP k=1", 2),
+        ("MTP adaptive k<=1", 2),
     ]
     assert all(r["failed"] == 0 and r["completed"] == 3 for r in rows)
+    tags = {"baseline": "k0", "MTP k=1": "k1", "MTP adaptive k<=1": "adaptive"}
     for r in rows:
-        raw = json.loads((tmp_path / "raw" / f"k{0 if r['method'] == 'baseline' else 1}"
-                          f"_c{r['concurrency']}.json").read_text())  # fmt: skip
-        assert r["output_throughput"] == raw["output_throughput"]
+        raw = tmp_path / "raw" / f"{tags[r['method']]}_c{r['concurrency']}.json"
+        assert r["output_throughput"] == json.loads(raw.read_text())["output_throughput"]
+    assert "MTP adaptive k<=1" in (tmp_path / "server_adaptive.log").read_text()
     base, mtp = rows[0], rows[1]
     assert base["speedup"] == 1.0
     assert mtp["speedup"] == mtp["output_throughput"] / base["output_throughput"]

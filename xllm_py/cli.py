@@ -471,6 +471,8 @@ def build_server(a: argparse.Namespace):
 
     engine.on_failure = on_failure
     spec = f", MTP k={a.num_speculative_tokens}" if a.num_speculative_tokens else ""
+    if a.speculative_adaptive:
+        spec = f", MTP adaptive k<={a.num_speculative_tokens}"
     logger.info("serving %s (%s%s) at http://%s:%d/v1", name, model, spec, a.host, a.port)
     return server, engine
 
