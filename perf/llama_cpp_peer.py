@@ -1,0 +1,734 @@
+#!/usr/bin/env python3
+"""llama.cpp (through llama-cpp-python) as a peer engine for the serving sweep.
+
+    pip install -e .[llamacpp]            # compiles llama.cpp (about 15 min on 2 cores)
+    python perf/llama_cpp_peer.py         # convert the bundled model, greedy agreement
+    python perf/llama_cpp_peer.py --server-check     # + serve it, run bench_serving on it
+
+What it gives perf/mtp_sweep.py:
+
+- `convert(model_dir, out_dir)`: the HF checkpoint as a GGUF file (f32), made with the
+  converter of the installed llama-cpp-python's own llama.cpp (convert_hf_to_gguf.py from
+  its sdist, cached), with the shims our checkpoint needs (`shim_config`,
+  `gguf_pre_tokenizer`) applied to a temporary copy. Cached: redone only when an input is
+  newer than the GGUF or llama-cpp-python's version changed.
+- `server_command(gguf, port, n_ctx, threads)`: llama-cpp-python's OpenAI-compatible
+  server on 127.0.0.1:port. Start it with `env=server_env()`. It has no /health: poll
+  GET {url}`READY_PATH` (/v1/models) for 200 (the model is loaded before it listens).
+- `extra_request_body()`: fields every request must add for a like-for-like run, because
+  llama_cpp.server ignores `ignore_eos` and applies a repeat penalty of 1.1 by default
+  (even at temperature 0): {"repeat_penalty": 1.0, "logit_bias": {"<eos id>": -1e9}}.
+- `greedy_agreement(gguf, model_dir, prompts, max_tokens)`: greedy continuations of the
+  same prompt token ids from llama.cpp (in-process) and from our engine, compared.
+
+Numerics. The GGUF is f32: the checkpoint's bf16 weights convert to f32 exactly, and our
+engine computes in float32 on CPU, so both sides run the same weights at the same
+precision (f16 would round 16-bit-mantissa values and clamp the range; bf16 GGUF would
+make llama.cpp run its bf16 kernels). The MTP layer (model.layers.N) is dropped by the
+converter: llama.cpp runs the target model only, without speculative decoding.
+
+The llama.cpp server serves one request at a time (requests queue on a lock), so its
+figures at concurrency > 1 measure queueing, not batching. `server_command` turns off
+its default `interrupt_requests`, which would otherwise end a streaming request with
+[DONE] as soon as another arrives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DIST = "llama-cpp-python"  # the PyPI distribution (module: llama_cpp)
+READY_PATH = "/v1/models"  # llama_cpp.server has no /health
+GGUF_OUTTYPE = "f32"
+CACHE_DIR = Path(
+    os.environ.get("XLLM_LLAMA_CPP_CACHE", Path.home() / ".cache" / "xllm_py" / "llama_cpp")
+)
+RESULT = ROOT / "perf" / "results" / "llama_cpp_peer.json"
+# What convert() needs from the llama.cpp source tree (paths under vendor/llama.cpp/ in
+# the sdist): the script, the `conversion` package it imports (llama.cpp >= late 2025 split
+# the model classes out of the script) and the matching gguf-py.
+CONVERTER_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+# Environment variables llama_cpp.server reads over its command line (uvicorn's host and
+# port, a config file replacing all flags) or that would make it demand a key.
+SERVER_ENV_DROP = ("HOST", "PORT", "CONFIG_FILE", "API_KEY")
+
+# ---- the config shim (pure) ---------------------------------------------------------------------
+
+
+def shim_config(config: dict) -> tuple[dict, list[str]]:
+    """`config` as llama.cpp's DeepSeek converter needs it, and what was changed.
+
+    Checked against llama-cpp-python 0.3.36's converter (conversion/deepseek.py, base.py):
+
+    - num_key_value_heads must equal num_attention_heads: the converter splits kv_b_proj
+      into k_b / v_b with it as the head count (it asserts the shape), before it writes
+      1 into the GGUF for MLA. Added or corrected when missing or different.
+    - head_dim must be absent: the generic writer would store it as the attention key and
+      value length, which the DeepSeek writer sets again for MLA (kv_lora_rank +
+      qk_rope_head_dim), a duplicate key. Removed.
+    - scoring_func: without it no gating function is written and llama.cpp falls back to
+      softmax routing (for old DeepSeek-V2 files); DeepSeek-V3 routes with a sigmoid (HF's
+      DeepseekV3 has no other). Set to "sigmoid" for DeepseekV3ForCausalLM when missing.
+
+    Not needed with this converter: rope_theta at the top level (it reads
+    rope_parameters.rope_theta, transformers >= 5 layout, as well as rope_scaling) and
+    topk_method (not read; group-limited routing comes from n_group / topk_group and the
+    bias from e_score_correction_bias). The bundled config needs none of the three changes;
+    its one incompatibility is the tokenizer (`gguf_pre_tokenizer`)."""
+    cfg = dict(config)
+    changes = []
+    n_head = cfg.get("num_attention_heads")
+    if n_head is not None and cfg.get("num_key_value_heads") != n_head:
+        changes.append(f"num_key_value_heads: {cfg.get('num_key_value_heads')} -> {n_head}")
+        cfg["num_key_value_heads"] = n_head
+    if "head_dim" in cfg:
+        changes.append(f"head_dim: {cfg.pop('head_dim')} removed")
+    if "scoring_func" not in cfg and "DeepseekV3ForCausalLM" in (cfg.get("architectures") or []):
+        cfg["scoring_func"] = "sigmoid"
+        changes.append("scoring_func: missing -> sigmoid")
+    return cfg, changes
+
+
+def gguf_pre_tokenizer(tokenizer_json: dict) -> str | None:
+    """The llama.cpp pre-tokenizer to use when the converter does not recognise the
+    tokenizer, or None when there is no safe choice.
+
+    The converter identifies a BPE pre-tokenizer by the hash of the token ids of a fixed
+    test string, so a tokenizer trained from scratch (ours) is unknown to it and it stops.
+    A byte-level BPE whose pre-tokenizer is a plain `ByteLevel` with `use_regex` (the GPT-2
+    split regex), with no normaliser, splits exactly as llama.cpp's "gpt-2" pre-tokenizer;
+    anything else is left to fail."""
+    model = tokenizer_json.get("model") or {}
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE" or tokenizer_json.get("normalizer") is not None:
+        return None
+    if pre.get("type") == "Sequence":
+        steps = pre.get("pretokenizers") or []
+        pre = steps[0] if len(steps) == 1 else {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    return None
+
+
+def prepare_model_copy(model_dir: Path, dest: Path) -> list[str]:
+    """A converter-ready view of `model_dir` in `dest` (created): weights linked (copied
+    where links fail), small files copied, config.json shimmed. `model_dir` is only read.
+    Returns the config changes."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(Path(model_dir).iterdir()):
+        if not f.is_file() or f.name == "config.json":
+            continue
+        target = dest / f.name
+        if f.suffix == ".safetensors":
+            try:
+                target.symlink_to(f.resolve())
+                continue
+            except OSError:
+                pass
+        shutil.copyfile(f, target)
+    cfg, changes = shim_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return changes
+
+
+# ---- the converter ------------------------------------------------------------------------------
+
+
+def installed_version() -> str | None:
+    """llama-cpp-python's installed version, None when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(DIST)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _extract_converter(sdist: Path, dest: Path) -> None:
+    with tarfile.open(sdist) as tar:
+        prefix = None
+        members = []
+        for m in tar.getmembers():
+            parts = m.name.split("/", 1)
+            if len(parts) < 2 or not parts[1].startswith("vendor/llama.cpp/"):
+                continue
+            rel = parts[1][len("vendor/llama.cpp/") :]
+            if not any(rel == c or (c.endswith("/") and rel.startswith(c)) for c in CONVERTER_MEMBERS):
+                continue
+            if not (m.isfile() or m.isdir()) or ".." in Path(rel).parts:
+                continue
+            prefix = parts[0] + "/vendor/llama.cpp/"
+            members.append((m, rel))
+        if prefix is None:
+            raise RuntimeError(f"{sdist} has no vendor/llama.cpp/convert_hf_to_gguf.py")
+        for m, rel in members:
+            out = dest / rel
+            if m.isdir():
+                out.mkdir(parents=True, exist_ok=True)
+                continue
+            out.parent.mkdir(parents=True, exist_ok=True)
+            src = tar.extractfile(m)
+            assert src is not None
+            with src, open(out, "wb") as f:
+                shutil.copyfileobj(src, f)
+
+
+def converter_dir(version: str | None = None, cache_dir: Path = CACHE_DIR) -> Path:
+    """A directory with llama.cpp's convert_hf_to_gguf.py (and what it imports) matching
+    the installed llama-cpp-python, so the GGUF is what its llama.cpp reads.
+
+    $LLAMA_CPP_CONVERTER_DIR (a llama.cpp checkout) wins; else the converter is taken from
+    the llama-cpp-python sdist of the installed version (`pip download --no-binary`, only
+    the converter files are kept) into cache_dir/llama.cpp-<version>/."""
+    if env := os.environ.get("LLAMA_CPP_CONVERTER_DIR"):
+        return Path(env)
+    version = version or installed_version()
+    if version is None:
+        raise RuntimeError(f"{DIST} is not installed: pip install -e .[llamacpp]")
+    out = Path(cache_dir) / f"llama.cpp-{version}"
+    if (out / "convert_hf_to_gguf.py").is_file():
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"{DIST}=={version}", "-d", tmp, "--quiet"],
+            check=True,
+        )  # fmt: skip
+        sdist = next(Path(tmp).glob("*.tar.gz"))
+        partial = Path(cache_dir) / f".llama.cpp-{version}.{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        _extract_converter(sdist, partial)
+        if not (partial / "convert_hf_to_gguf.py").is_file():
+            raise RuntimeError(f"{sdist.name}: no vendor/llama.cpp/convert_hf_to_gguf.py")
+        shutil.rmtree(out, ignore_errors=True)
+        partial.rename(out)
+    return out
+
+
+# Run in a subprocess: puts the converter and its gguf-py first on sys.path, optionally
+# makes an unrecognised BPE pre-tokenizer fall back to argv[2] (instead of stopping), then
+# runs the converter's main() with the remaining arguments.
+_BOOTSTRAP = """\
+import logging, sys
+conv, pre = sys.argv[1], sys.argv[2]
+sys.path[:0] = [conv, conv + "/gguf-py"]
+try:
+    from conversion import base as where  # the converter split into a package
+except ImportError:
+    where = None
+import convert_hf_to_gguf as script
+where = where or script
+if pre:
+    known = where.TextModel.get_vocab_base_pre
+    def get_vocab_base_pre(self, tokenizer):
+        try:
+            return known(self, tokenizer)
+        except NotImplementedError:
+            logging.getLogger("hf-to-gguf").warning(
+                "xllm_py shim: unrecognised BPE pre-tokenizer, using %r", pre)
+            return pre
+    where.TextModel.get_vocab_base_pre = get_vocab_base_pre
+sys.argv = [conv + "/convert_hf_to_gguf.py", *sys.argv[3:]]
+script.main()
+"""
+
+
+def conversion_command(
+    converter: Path, model_copy: Path, outfile: Path, outtype: str = GGUF_OUTTYPE, pre: str = ""
+) -> list[str]:
+    """The command converting `model_copy` to `outfile`; `pre`: the pre-tokenizer for an
+    unrecognised tokenizer ("" = none, the converter stops on one)."""
+    return [
+        sys.executable, "-c", _BOOTSTRAP, str(converter), pre,
+        str(model_copy), "--outfile", str(outfile), "--outtype", outtype,
+    ]  # fmt: skip
+
+
+def _inputs(model_dir: Path) -> list[Path]:
+    return [
+        f
+        for f in Path(model_dir).iterdir()
+        if f.is_file() and (f.suffix == ".safetensors" or f.suffix == ".json")
+    ]
+
+
+def gguf_path(model_dir: Path, out_dir: Path, outtype: str = GGUF_OUTTYPE) -> Path:
+    return Path(out_dir) / f"{Path(model_dir).resolve().name}.{outtype}.gguf"
+
+
+def is_fresh(gguf: Path, model_dir: Path, version: str | None) -> bool:
+    """The GGUF exists, is newer than every input file and was made by `version`."""
+    stamp = gguf.with_suffix(".json")
+    if not gguf.is_file() or not stamp.is_file():
+        return False
+    with contextlib.suppress(ValueError, OSError):
+        if json.loads(stamp.read_text()).get("llama_cpp_python") != version:
+            return False
+        newest = max(f.stat().st_mtime for f in _inputs(model_dir))
+        return gguf.stat().st_mtime > newest
+    return False
+
+
+def convert(
+    model_dir: Path, out_dir: Path, outtype: str = GGUF_OUTTYPE, converter: Path | None = None
+) -> Path:
+    """`model_dir` (HF layout) as `out_dir`/<name>.<outtype>.gguf, cached.
+
+    f32 by default (see the module docstring: exact for bf16 weights, and our engine runs
+    float32 on CPU). The converter is llama-cpp-python's own (`converter_dir`); the
+    checkpoint goes through `shim_config` / `gguf_pre_tokenizer` in a temporary copy. A
+    <name>.<outtype>.json next to the GGUF records the converter version and the shims."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    version = installed_version()
+    out = gguf_path(model_dir, out_dir, outtype)
+    if is_fresh(out, model_dir, version):
+        return out
+    converter = converter or converter_dir(version)
+    tok_file = model_dir / "tokenizer.json"
+    pre = gguf_pre_tokenizer(json.loads(tok_file.read_text())) if tok_file.is_file() else None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp_out = out.with_name(out.name + ".tmp")
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / model_dir.resolve().name
+        changes = prepare_model_copy(model_dir, copy)
+        cmd = conversion_command(converter, copy, tmp_out, outtype, pre or "")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not tmp_out.is_file():
+        tmp_out.unlink(missing_ok=True)
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        raise RuntimeError(f"convert_hf_to_gguf.py failed ({proc.returncode}):\n{tail}")
+    tmp_out.replace(out)
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "model_dir": str(model_dir.resolve()),
+                "outtype": outtype,
+                "llama_cpp_python": version,
+                "converter": str(converter),
+                "config_changes": changes,
+                "pre_tokenizer_fallback": pre,
+                "pre_tokenizer_fallback_used": "xllm_py shim: unrecognised" in proc.stderr,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    return out
+
+
+# ---- the server ---------------------------------------------------------------------------------
+
+
+def server_command(
+    gguf: Path, port: int, n_ctx: int, threads: int, python: str | None = None
+) -> list[str]:
+    """llama-cpp-python's OpenAI-compatible server for `gguf` on 127.0.0.1:`port`.
+
+    n_ctx: tokens per sequence (prompt + output; one sequence at a time). threads: for
+    decode and for prompt batches. Sampling defaults stay the server's: send
+    `extra_request_body()` with every request. The model id in /v1/models is the file's
+    stem. interrupt_requests off: see the module docstring. logits_all off: the server
+    would otherwise compute logits at every prompt position (only logprobs need them)."""
+    return [
+        python or sys.executable, "-m", "llama_cpp.server",
+        "--model", str(gguf),
+        "--model_alias", Path(gguf).stem,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--n_ctx", str(n_ctx),
+        "--n_threads", str(threads),
+        "--n_threads_batch", str(threads),
+        "--interrupt_requests", "False",
+        "--logits_all", "False",
+    ]  # fmt: skip
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment to start `server_command` in: `base` (default os.environ) without
+    the variables llama_cpp.server would take over its flags (HOST and PORT override
+    --host/--port in its __main__, CONFIG_FILE replaces every flag, API_KEY demands a key)."""
+    env = dict(os.environ if base is None else base)
+    for name in list(env):
+        if name.upper() in SERVER_ENV_DROP:
+            del env[name]
+    return env
+
+
+def eos_token_id(model_dir: Path | None = None) -> int:
+    """The checkpoint's EOS id (config.json, else generation_config.json); the GGUF keeps
+    the HF vocabulary's ids."""
+    from xllm_py.assets import bundled_model
+
+    d = Path(model_dir or bundled_model())
+    for name in ("config.json", "generation_config.json"):
+        f = d / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if isinstance(eos, list):
+                eos = eos[0] if eos else None
+            if eos is not None:
+                return int(eos)
+    raise ValueError(f"{d}: no eos_token_id in config.json or generation_config.json")
+
+
+def extra_request_body(model_dir: Path | None = None, ignore_eos: bool = True) -> dict[str, Any]:
+    """Fields to add to every /v1/completions request sent to llama_cpp.server.
+
+    repeat_penalty 1.0: the server's default is 1.1 and llama-cpp-python applies the
+    penalty before its greedy pick, so without it temperature 0 is not greedy decoding.
+    logit_bias {eos: -1e9} (with ignore_eos): the server ignores `ignore_eos`; this keeps
+    the EOS token from ever being picked so every request runs to max_tokens. (The server
+    also has `min_tokens`, but it would need each request's own length.)"""
+    body: dict[str, Any] = {"repeat_penalty": 1.0}
+    if ignore_eos:
+        body["logit_bias"] = {str(eos_token_id(model_dir)): -1e9}
+    return body
+
+
+# ---- greedy agreement ---------------------------------------------------------------------------
+
+
+def sharegpt_prompts(n: int, model_dir: Path | None = None) -> list[str]:
+    """n held-out ShareGPT first user turns (20-600 characters, never trained on), in the
+    checkpoint's chat template, as tests/test_bundled_model.py uses them."""
+    from xllm_py.engine.tokenizer import Tokenizer
+    from xllm_py.sharegpt import held_out_user_turns
+
+    from xllm_py.assets import bundled_model
+
+    tok = Tokenizer.from_dir(model_dir or bundled_model())
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}])
+        for t in held_out_user_turns(n, 20, 600)
+    ]
+
+
+def compare_tokens(ours: list[int], theirs: list[int]) -> dict[str, Any]:
+    """Matching prefix length and fraction of positions with the same token (over the
+    longer of the two sequences)."""
+    prefix = 0
+    for a, b in zip(ours, theirs):
+        if a != b:
+            break
+        prefix += 1
+    n = max(len(ours), len(theirs))
+    same = sum(a == b for a, b in zip(ours, theirs))
+    return {
+        "matching_prefix": prefix,
+        "identical_fraction": same / n if n else 1.0,
+        "identical": ours == theirs,
+    }
+
+
+def _log_softmax(x):
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+def llama_greedy(llm, ids: list[int], max_tokens: int) -> tuple[list[int], list, float, float]:
+    """Greedy continuation (argmax, EOS not special) of `ids` by a llama_cpp.Llama:
+    (tokens, per-step logits, prefill seconds, decode seconds after the first token)."""
+    import numpy as np
+
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    t1 = time.perf_counter()
+    out, logits = [], []
+    for i in range(max_tokens):
+        row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        tok = int(row.argmax())
+        out.append(tok)
+        logits.append(row)
+        if i + 1 < max_tokens:
+            llm.eval([tok])
+    return out, logits, t1 - t0, time.perf_counter() - t1
+
+
+def greedy_agreement(
+    gguf: Path,
+    model_dir: Path,
+    prompts: list[str],
+    max_tokens: int,
+    threads: int | None = None,
+    max_cache_size: int = 64 << 20,
+) -> dict[str, Any]:
+    """Greedy continuations (EOS ignored, `max_tokens` each) of `prompts` by llama.cpp on
+    `gguf` (in-process) and by our engine on `model_dir`, from the same prompt token ids
+    (our tokenizer's, special tokens included), compared token by token.
+
+    Per prompt: matching_prefix (tokens until the first difference), identical_fraction
+    (positions with the same token / max_tokens), and at the first difference both
+    engines' log-probability margin between the two tokens (a near-tie there means a
+    rounding-level difference flipped the pick). Also whether llama.cpp tokenizes the
+    prompt text itself to the same ids (the server path, which gets text). Overall: the
+    mean identical fraction, the fraction of prompts fully identical, total matched
+    prefix / total tokens, and both engines' single-stream decode tokens/s."""
+    import llama_cpp
+    import numpy as np
+
+    from xllm_py.entrypoints.llm import LLM
+    from xllm_py.sampling_params import SamplingParams
+
+    threads = threads or os.cpu_count() or 1
+    ours_llm = LLM(str(model_dir), dtype="float32", max_cache_size=max_cache_size)
+    tok = ours_llm.get_tokenizer()
+    prompt_ids = [tok.encode(p) for p in prompts]
+    n_ctx = max(len(ids) for ids in prompt_ids) + max_tokens + 8
+    llm = llama_cpp.Llama(
+        model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+        logits_all=False, verbose=False,
+    )  # fmt: skip
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    rows = []
+    ours_s = theirs_s = 0.0
+    for text, ids in zip(prompts, prompt_ids):
+        t0 = time.perf_counter()
+        res = ours_llm.generate({"prompt_token_ids": ids}, sp)[0].outputs[0]
+        ours_s += time.perf_counter() - t0
+        theirs, logits, _, decode_s = llama_greedy(llm, ids, max_tokens)
+        theirs_s += decode_s
+        row = {"prompt_tokens": len(ids), **compare_tokens(res.token_ids, theirs)}
+        row["llama_tokenizes_prompt_same"] = (
+            llm.tokenize(text.encode(), add_bos=False, special=True) == ids
+        )
+        k = row["matching_prefix"]
+        if k < max_tokens:
+            a, b = res.token_ids[k], theirs[k]
+            ours_lp = res.logprobs[k] if res.logprobs else {}
+            lp = _log_softmax(logits[k])
+            row["first_difference"] = {
+                "position": k,
+                "ours": a,
+                "llama_cpp": b,
+                # logprob(ours' pick) - logprob(llama.cpp's pick), each engine's own view
+                "ours_margin": (ours_lp[a] - ours_lp[b]) if b in ours_lp else None,
+                "ours_margin_at_least": (ours_lp[a] - min(ours_lp.values()))
+                if b not in ours_lp and ours_lp
+                else None,
+                "llama_cpp_margin": float(lp[b] - lp[a]),
+            }
+        row["ours_text"] = tok.decode(res.token_ids)
+        row["llama_cpp_text"] = tok.decode(theirs)
+        rows.append(row)
+    total = max_tokens * len(rows)
+    return {
+        "num_prompts": len(rows),
+        "max_tokens": max_tokens,
+        "mean_identical_fraction": float(np.mean([r["identical_fraction"] for r in rows])),
+        "prompts_identical": sum(r["identical"] for r in rows) / len(rows),
+        "prefix_agreement": sum(r["matching_prefix"] for r in rows) / total,
+        "prompts_tokenized_same": sum(r["llama_tokenizes_prompt_same"] for r in rows) / len(rows),
+        # single stream, in-process; llama.cpp: decode only (prefill excluded); ours: the
+        # whole generate call (prefill included, logprobs on), so a lower bound
+        "llama_cpp_decode_tok_s": (max_tokens - 1) * len(rows) / theirs_s,
+        "ours_tok_s_incl_prefill": total / ours_s,
+        "threads": threads,
+        "per_prompt": rows,
+    }
+
+
+# ---- serving check ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(gguf: Path, port: int, n_ctx: int, threads: int, log: Path, timeout=300):
+    """server_command running until the block ends; yields its base URL once READY_PATH
+    answers 200."""
+    import httpx
+
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(
+            server_command(gguf, port, n_ctx, threads),
+            stdout=logf, stderr=subprocess.STDOUT, env=server_env(), start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"llama_cpp.server exited with {proc.returncode}; see {log}")
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(url + READY_PATH, timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"llama_cpp.server not ready after {timeout} s; see {log}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def server_check(gguf: Path, model_dir: Path, threads: int, log: Path) -> dict[str, Any]:
+    """Serve `gguf`, then: one streamed completion with and without extra_request_body()
+    (does ignore_eos hold? how many tokens came back?), and perf/bench_serving.py run
+    unchanged at concurrency 1 and 2 (short fixed lengths)."""
+    import httpx
+
+    from perf import bench_serving
+
+    port = free_port()
+    out: dict[str, Any] = {"port": port, "ready_path": READY_PATH}
+    with running_server(gguf, port, 2048, threads, log) as url:
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        health = httpx.get(url + "/health")
+        out["health_status"] = health.status_code
+        prompt = "Tell me about the history of the Roman empire."
+        for name, extra in (
+            ("as_bench_serving_sends", {}),
+            ("with_extra_request_body", extra_request_body(model_dir)),
+        ):
+            body = {
+                "model": model, "prompt": prompt, "max_tokens": 64, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                **extra,
+            }  # fmt: skip
+            chunks, text, usage, finish = 0, [], None, None
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    msg = json.loads(line[6:])
+                    usage = msg.get("usage") or usage
+                    for c in msg.get("choices") or []:
+                        if c.get("text"):
+                            chunks += 1
+                            text.append(c["text"])
+                        finish = c.get("finish_reason") or finish
+            tok = bench_serving.load_tokenizer(str(model_dir))
+            out[name] = {
+                "chunks_with_text": chunks,
+                "retokenized_output_tokens": len(tok.encode("".join(text), add_special_tokens=False)),
+                "usage": usage,
+                "finish_reason": finish,
+                "text": "".join(text),
+            }
+        out["bench_serving"] = {}
+        for conc in (1, 2):
+            res = bench_serving.run([
+                "--base-url", url, "--tokenizer", str(model_dir), "--dataset-name", "sharegpt",
+                "--num-prompts", str(4 * conc), "--max-concurrency", str(conc),
+                "--input-len", "128", "--output-len", "64", "--ignore-eos",
+                "--temperature", "0", "--disable-tqdm",
+            ])  # fmt: skip
+            keep = ("completed", "failed", "total_input_tokens", "total_output_tokens",
+                    "output_throughput", "mean_ttft_ms", "mean_tpot_ms", "duration")  # fmt: skip
+            out["bench_serving"][f"concurrency_{conc}"] = {k: res[k] for k in keep}
+    return out
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from xllm_py.assets import bundled_model
+
+    ap = argparse.ArgumentParser(
+        description="Convert a DeepSeek-V3 checkpoint to GGUF for llama.cpp and measure its "
+        "greedy agreement with our engine on held-out ShareGPT prompts.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--model-dir", type=Path, default=Path(bundled_model()))
+    ap.add_argument("--out-dir", type=Path, default=CACHE_DIR / "gguf", help="GGUF cache")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--server-check",
+        action="store_true",
+        help="also start llama_cpp.server and run perf/bench_serving.py against it",
+    )
+    ap.add_argument("--output", type=Path, default=RESULT, help="result JSON")
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    gguf = convert(args.model_dir, args.out_dir)
+    stamp = json.loads(gguf.with_suffix(".json").read_text())
+    print(f"GGUF: {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f} s)")
+    prompts = sharegpt_prompts(args.num_prompts, args.model_dir)
+    agree = greedy_agreement(gguf, args.model_dir, prompts, args.max_tokens, args.threads)
+    print(f"Greedy agreement over {agree['num_prompts']} prompts x {args.max_tokens} tokens:")
+    for i, r in enumerate(agree["per_prompt"]):
+        diff = r.get("first_difference")
+        note = ""
+        if diff:
+            m = diff["ours_margin"]
+            note = f"  (first difference: ours margin {m:.3g}, llama.cpp margin "
+            note = note if m is not None else "  (first difference: ours margin > "
+            note += f"{diff['llama_cpp_margin']:.3g})" if m is not None else ""
+            if m is None:
+                note += f"{diff['ours_margin_at_least']:.3g}, llama.cpp {diff['llama_cpp_margin']:.3g})"
+        print(
+            f"  prompt {i}: {r['prompt_tokens']:4d} prompt tokens, matching prefix "
+            f"{r['matching_prefix']:3d}, identical {100 * r['identical_fraction']:5.1f}%{note}"
+        )
+    print(
+        f"mean identical tokens {100 * agree['mean_identical_fraction']:.1f}%, prompts fully "
+        f"identical {100 * agree['prompts_identical']:.0f}%, prefix agreement "
+        f"{100 * agree['prefix_agreement']:.1f}%, prompt text tokenized the same by llama.cpp "
+        f"{100 * agree['prompts_tokenized_same']:.0f}%"
+    )
+    print(
+        f"single stream: llama.cpp decode {agree['llama_cpp_decode_tok_s']:.0f} tok/s, ours "
+        f"{agree['ours_tok_s_incl_prefill']:.0f} tok/s incl. prefill ({args.threads} threads)"
+    )
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(["perf/llama_cpp_peer.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "gguf": {**stamp, "file": gguf.name, "bytes": gguf.stat().st_size},
+        "agreement": agree,
+    }
+    if args.server_check:
+        log = args.output.with_suffix(".server.log")
+        result["server"] = server_check(gguf, args.model_dir, args.threads, log)
+        for name in ("as_bench_serving_sends", "with_extra_request_body"):
+            s = result["server"][name]
+            print(f"server, {name}: finish {s['finish_reason']}, {s['chunks_with_text']} text chunks, "
+                  f"{s['retokenized_output_tokens']} tokens re-tokenized (max_tokens 64)")
+        for name, r in result["server"]["bench_serving"].items():
+            print(f"bench_serving {name}: {r['completed']} ok / {r['failed']} failed, "
+                  f"{r['output_throughput']:.1f} output tok/s, TPOT {r['mean_tpot_ms']:.1f} ms, "
+                  f"TTFT {r['mean_ttft_ms']:.1f} ms")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"Wrote {args.output}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
