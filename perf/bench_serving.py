@@ -484,6 +484,7 @@ async def send_request(
     chat: bool,
     temperature: float | None = 0.0,
     ignore_eos: bool = False,
+    extra_body: dict[str, Any] | None = None,
 ) -> RequestOutput:
     payload: dict[str, Any] = {"model": model, "stream": True}
     if chat:
@@ -497,6 +498,7 @@ async def send_request(
         payload["temperature"] = float(temperature)
     if ignore_eos:
         payload["ignore_eos"] = True
+    payload.update(extra_body or {})
 
     out = RequestOutput(prompt_len=req.prompt_len)
     text: list[str] = []
@@ -660,6 +662,12 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         args.ignore_eos = True  # as vLLM: random prompts run to the requested length
         print("--dataset-name random: setting --ignore-eos")
 
+    try:
+        extra = json.loads(args.extra_body) if args.extra_body else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--extra-body={args.extra_body!r} is not JSON: {e}") from e
+    if not isinstance(extra, dict):
+        raise ValueError(f"--extra-body={args.extra_body!r} must be a JSON object")
     tokenizer = load_tokenizer(args.tokenizer)
     requests = build_workload(args, tokenizer)
     offsets = arrival_offsets(
@@ -673,7 +681,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         async def one(req: SampleRequest) -> RequestOutput:
             return await send_request(
-                client, api_url, model, req, chat, args.temperature, args.ignore_eos
+                client, api_url, model, req, chat, args.temperature, args.ignore_eos, extra
             )
 
         if args.num_warmups > 0:
@@ -820,6 +828,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="fixed output length (overrides --sharegpt-output-len; random: 128)",
     )
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true")
+    p.add_argument(
+        "--extra-body",
+        default=None,
+        help="a JSON object merged into every request body (fields another server needs, "
+        "e.g. a logit_bias that keeps a server without ignore_eos generating)",
+    )
     p.add_argument(
         "--temperature",
         type=float,

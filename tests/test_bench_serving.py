@@ -160,7 +160,8 @@ def test_end_to_end_against_the_daemon(tmp_path):
                 f"--base-url={server.url}",
                 "--num-prompts=6",
                 "--input-len=32",
-                "--output-len=8",
+                "--output-len=9",
+                '--extra-body={"max_tokens": 8}',  # merged into each body: 8 tokens, not 9
                 "--ignore-eos",
                 "--max-concurrency=2",
                 "--seed=1",
