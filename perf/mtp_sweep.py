@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -96,13 +97,19 @@ class Daemon:
     background (scripts/launch_cluster.sh); `stop_cmd` then stops them."""
 
     def __init__(
-        self, cmd: list[str], log: Path, port: int, stop_cmd: list[str] | None = None
+        self,
+        cmd: list[str],
+        log: Path,
+        port: int,
+        stop_cmd: list[str] | None = None,
+        ready_path: str = "/health",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.stop_cmd = stop_cmd
         self.log = open(log, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -111,7 +118,7 @@ class Daemon:
                 self.stop()
                 raise RuntimeError(f"server exited with {code}; see {log}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + ready_path, timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -143,7 +150,9 @@ def server_command(args, k: int, port: int, adaptive: bool = False) -> list[str]
     return cmd + shlex.split(args.server_args)
 
 
-def bench_argv(args, base_url: str, concurrency: int, raw: Path, name: str) -> list[str]:
+def bench_argv(
+    args, base_url: str, concurrency: int, raw: Path, name: str, extra_body: dict | None = None
+) -> list[str]:
     p = PRESETS[args.scale]
     argv = [
         "--base-url", base_url,
@@ -162,18 +171,55 @@ def bench_argv(args, base_url: str, concurrency: int, raw: Path, name: str) -> l
     ]  # fmt: skip
     if args.model:
         argv += ["--tokenizer", args.model]
+    if extra_body:
+        argv += ["--extra-body", json.dumps(extra_body)]
     return argv
 
 
-def warm_up(base_url: str) -> None:
+def warm_up(base_url: str, extra_body: dict | None = None) -> None:
     """A few requests so first-call costs (allocation, lazy init) stay out of the figures."""
     model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "Hello", "max_tokens": 16, "ignore_eos": True}
     for _ in range(3):
         httpx.post(
-            base_url + "/v1/completions",
-            json={"model": model, "prompt": "Hello", "max_tokens": 16, "ignore_eos": True},
-            timeout=300,
+            base_url + "/v1/completions", json={**body, **(extra_body or {})}, timeout=300
         ).raise_for_status()
+
+
+@dataclass
+class Method:
+    """One row group of the table: a server started by `cmd`, polled at `ready_path`, and
+    fields every request to it carries (`extra_body`)."""
+
+    name: str
+    tag: str  # file names: server_{tag}.log, raw/{tag}_c{concurrency}.json
+    cmd: list[str]
+    ready_path: str = "/health"
+    env: dict[str, str] | None = None
+    extra_body: dict | None = None
+
+
+def llama_cpp_method(args, input_len: int, output_len: int) -> tuple[Method, dict]:
+    """llama.cpp's OpenAI server (llama-cpp-python) on the same model, converted to GGUF
+    with llama.cpp's converter (perf/llama_cpp_peer.py); and the greedy agreement of its
+    tokens with ours on held-out prompts."""
+    from perf import llama_cpp_peer as peer
+
+    model = Path(args.model or bundled_model())
+    gguf = peer.convert(model, args.result_dir / "gguf")
+    print(f"== llama.cpp: {gguf.name}; greedy agreement on {args.peer_prompts} prompts", flush=True)
+    prompts = peer.sharegpt_prompts(args.peer_prompts, model)
+    agreement = peer.greedy_agreement(gguf, model, prompts, args.peer_tokens)
+    cmd = peer.server_command(gguf, args.port, input_len + output_len + 64, peer.server_threads())
+    method = Method(
+        "llama.cpp (no MTP)",
+        "llama_cpp",
+        cmd,
+        ready_path=peer.READY_PATH,
+        env=peer.server_env(),
+        extra_body=peer.extra_request_body(model),
+    )
+    return method, {"gguf": str(gguf), "agreement": agreement}
 
 
 def hf_peer(args, n: int) -> dict:
@@ -279,6 +325,21 @@ def add_ceiling(args, rows: list[dict], input_len: int, output_len: int) -> dict
     return {"context": context, "routing": routing, "byte_model": bm.__dict__}
 
 
+def peer_note(peer_engine: dict | None) -> str:
+    """The footer on --peer: whether the other engine computes what ours does."""
+    if not peer_engine:
+        return ""
+    a = peer_engine["agreement"]
+    return (
+        f"\nllama.cpp ({Path(peer_engine['gguf']).name}, the target model only: its converter "
+        f"drops the MTP layer) against ours, greedy, {a['num_prompts']} held-out prompts x "
+        f"{a['max_tokens']} tokens: {100 * a['mean_identical_fraction']:.1f}% of tokens "
+        f"identical, {100 * a['prompts_identical']:.0f}% of prompts identical throughout, "
+        f"matching prefixes {100 * a['prefix_agreement']:.1f}% of all tokens. It serves one "
+        "request at a time, so its rows above concurrency 1 measure queueing.\n"
+    )
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -346,6 +407,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--ceiling-prompts", type=int, default=4, help="held-out prompts to measure routing on"
     )
+    ap.add_argument(
+        "--peer",
+        choices=["llama.cpp"],
+        default=None,
+        help="also serve the model with another engine and benchmark it the same way: "
+        "llama.cpp's OpenAI server (pip install -e .[llamacpp]; perf/llama_cpp_peer.py), "
+        "with its greedy agreement with ours on --peer-prompts held-out prompts",
+    )
+    ap.add_argument("--peer-prompts", type=int, default=8, help="prompts for the agreement")
+    ap.add_argument("--peer-tokens", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--hf-peer", action="store_true", help="also time HF transformers generate")
     ap.add_argument("--hf-peer-prompts", type=int, default=8, help="prompts for the HF peer figure")
     ap.add_argument(
@@ -356,26 +427,31 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--adaptive runs our daemon with --speculative_adaptive; not with --launch")
     raw = args.result_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    # (name, file tag, the daemon's command line)
-    methods = [("baseline", "k0", server_command(args, 0, args.port))]
-    methods += [(f"MTP k={k}", f"k{k}", server_command(args, k, args.port)) for k in args.k]
+    p = PRESETS[args.scale]
+    input_len, output_len = args.input_len or p["input_len"], args.output_len or p["output_len"]
+    methods = [Method("baseline", "k0", server_command(args, 0, args.port))]
+    methods += [Method(f"MTP k={k}", f"k{k}", server_command(args, k, args.port)) for k in args.k]
     if args.adaptive:
         top = max(args.k)
         cmd = server_command(args, top, args.port, adaptive=True)
-        methods.append((f"MTP adaptive k<={top}", "adaptive", cmd))
+        methods.append(Method(f"MTP adaptive k<={top}", "adaptive", cmd))
+    peer_engine = None
+    if args.peer == "llama.cpp":
+        method, peer_engine = llama_cpp_method(args, input_len, output_len)
+        methods.append(method)
+    stop = shlex.split(args.launch_stop) if args.launch and args.launch_stop else None
     results: dict[str, dict[int, dict]] = {}
-    for name, tag, cmd in methods:
-        print(f"== {name}: starting the server", flush=True)
-        daemon = Daemon(
-            cmd,
-            args.result_dir / f"server_{tag}.log",
-            args.port,
-            shlex.split(args.launch_stop) if args.launch and args.launch_stop else None,
-        )
+    for m in methods:
+        print(f"== {m.name}: starting the server", flush=True)
+        ours = m.ready_path == "/health"  # --launch-stop is for our launcher's servers
+        log = args.result_dir / f"server_{m.tag}.log"
+        daemon = Daemon(m.cmd, log, args.port, stop if ours else None, m.ready_path, m.env)
         try:
-            warm_up(daemon.url)
+            warm_up(daemon.url, m.extra_body)
             for c in args.concurrency:
-                res = bench_serving.run(bench_argv(args, daemon.url, c, raw, f"{tag}_c{c}"))
+                argv = bench_argv(args, daemon.url, c, raw, f"{m.tag}_c{c}", m.extra_body)
+                res = bench_serving.run(argv)
+                name = m.name
                 results.setdefault(name, {})[c] = res
                 print(
                     f"   concurrency {c:>3}: {res['output_throughput']:8.1f} output tok/s, "
@@ -388,8 +464,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for c in args.concurrency:
         base = results["baseline"][c]["output_throughput"]
-        for name, _, _ in methods:
-            r = results[name][c]
+        for m in methods:
+            name, r = m.name, results[m.name][c]
             rows.append(
                 {
                     "method": name,
@@ -415,8 +491,6 @@ def main(argv: list[str] | None = None) -> dict:
     peer = hf_peer(args, args.hf_peer_prompts) if args.hf_peer else None
     given = argv if argv is not None else sys.argv[1:]
     command = " ".join(["python", "perf/mtp_sweep.py", *given])
-    p = PRESETS[args.scale]
-    input_len, output_len = args.input_len or p["input_len"], args.output_len or p["output_len"]
     ceiling = add_ceiling(args, rows, input_len, output_len)
     summary = {
         "command": command,
@@ -426,6 +500,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine(),
         "rows": rows,
         "hf_peer": peer,
+        "peer_engine": peer_engine,
         "ceiling": ceiling,
     }
     (args.result_dir / "sweep.json").write_text(json.dumps(summary, indent=2))
@@ -437,7 +512,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings for every method. Speedup = output tok/s over the baseline at the same "
         "concurrency, measured in this run. Ceiling = the batch-1 bandwidth bound on that "
         "speedup at the row's k and acceptance length (perf/mtp_ceiling.py; perf/README.md "
-        "says how to read it).\n\n" + table(rows, peer)
+        "says how to read it).\n\n" + table(rows, peer) + peer_note(peer_engine)
     )
     (args.result_dir / "results.md").write_text(md)
     plot(rows, args.result_dir / "sweep.png")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from perf import mtp_sweep
 from tests.server_utils import free_port
 
@@ -73,3 +75,35 @@ def test_sweep_through_a_launcher(tmp_path):
     assert rows[1]["spec_decode_acceptance_length"] >= 1.0
     assert rows[0]["spec_decode_acceptance_length"] is None  # the baseline really ran k=0
     assert not (log_dir / "cluster.pids").exists()  # stopped by --launch-stop
+
+
+def test_sweep_with_llama_cpp_as_peer(tmp_path):
+    """--peer llama.cpp: the bundled model converted to GGUF, served by llama.cpp's OpenAI
+    server and benchmarked like ours; its greedy tokens agree with ours. Needs
+    llama-cpp-python (pip install -e .[llamacpp], a 20-minute compile): skipped without it."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (.[llamacpp])")
+    summary = mtp_sweep.main(
+        [
+            "--concurrency", "1",
+            "--num-prompts", "2",
+            "--input-len", "24",
+            "--output-len", "6",
+            "--k", "1",
+            "--peer", "llama.cpp",
+            "--peer-prompts", "2",
+            "--peer-tokens", "8",
+            "--no-ceiling",
+            "--port", str(free_port()),
+            "--server-args", "--dtype float32",
+            "--result-dir", str(tmp_path),
+        ]
+    )  # fmt: skip
+    rows = summary["rows"]
+    assert [r["method"] for r in rows] == ["baseline", "MTP k=1", "llama.cpp (no MTP)"]
+    assert rows[2]["completed"] == 2 and rows[2]["failed"] == 0
+    # EOS suppressed by logit_bias, so every request ran to its length
+    raw = json.loads((tmp_path / "raw" / "llama_cpp_c1.json").read_text())
+    assert raw["total_output_tokens"] >= 2 * 6 - 1  # re-tokenized text: at most 1 short
+    agreement = summary["peer_engine"]["agreement"]
+    assert agreement["num_prompts"] == 2 and agreement["mean_identical_fraction"] > 0.9
+    assert "llama.cpp (tiny-deepseek-v3-mtp.f32.gguf" in (tmp_path / "results.md").read_text()
