@@ -423,6 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--result-dir", type=Path, default=ROOT / "perf/results/mtp_sweep", help="output folder"
     )
     args = ap.parse_args(argv)
+    given = argv if argv is not None else sys.argv[1:]  # before anything can change sys.argv
     if args.adaptive and args.launch:
         ap.error("--adaptive runs our daemon with --speculative_adaptive; not with --launch")
     raw = args.result_dir / "raw"
@@ -489,7 +490,6 @@ def main(argv: list[str] | None = None) -> dict:
                 }
             )
     peer = hf_peer(args, args.hf_peer_prompts) if args.hf_peer else None
-    given = argv if argv is not None else sys.argv[1:]
     command = " ".join(["python", "perf/mtp_sweep.py", *given])
     ceiling = add_ceiling(args, rows, input_len, output_len)
     summary = {

@@ -216,6 +216,26 @@ def build_parser() -> argparse.ArgumentParser:
         help=g + "host:port of node 0's coordination service (needed when --nnodes > 1); "
         "a worker node's own gRPC service listens on its --host:--port",
     )
+    flag(
+        "launcher",
+        default="process",
+        choices=["process", "ray"],
+        help=g + "process: this process is node --node_rank (start one per device, e.g. with "
+        "scripts/launch_cluster.sh); ray: start all --nnodes nodes on a Ray cluster, one "
+        "placement-group bundle each, node 0 on this host (pip install 'xllm_py[ray]')",
+    )
+    flag(
+        "ray_address",
+        default="auto",
+        help=g + "with --launcher=ray: the Ray cluster (host:port); auto = this host's, else "
+        "a local one started for the run; local = always a new local one",
+    )
+    flag(
+        "ray_cpus_per_node",
+        type=int,
+        default=1,
+        help=g + "with --launcher=ray and --devices=cpu: CPUs each node's bundle reserves",
+    )
     flag("nnodes", type=int, default=1, help=g + "number of processes (one device each)")
     flag("node_rank", type=int, default=0, help=g + "this process's rank (0 = master)")
     flag("ep_size", type=int, default=1, help=g + "expert-parallel size (1 for now)")
@@ -293,7 +313,11 @@ def check_args(a: argparse.Namespace) -> None:
             bad(f"--{name}={getattr(a, name)}: must be >= 1")
     if not 0 <= a.node_rank < a.nnodes:
         bad(f"--node_rank={a.node_rank}: must be in 0..nnodes-1 (--nnodes={a.nnodes})")
-    if a.nnodes > 1 and not a.master_node_addr:
+    if a.launcher == "ray" and a.node_rank != 0:
+        bad(f"--node_rank={a.node_rank}: --launcher=ray starts every node itself")
+    if a.ray_cpus_per_node < 1:
+        bad(f"--ray_cpus_per_node={a.ray_cpus_per_node}: must be >= 1")
+    if a.nnodes > 1 and not a.master_node_addr and a.launcher != "ray":
         bad(f"--nnodes={a.nnodes}: --master_node_addr=host:port of node 0 is required")
     if a.nnodes > 1 or a.ep_size > 1 or a.dp_size > 1:
         cluster_options(a)  # the layout itself (divisibility, ep_size)
@@ -505,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         check_args(args)
+        if args.launcher == "ray":
+            from xllm_py.distributed.ray_launch import launch
+
+            return launch(args, sys.argv[1:] if argv is None else list(argv))
         if args.nnodes > 1 and args.node_rank > 0:
             return run_worker(args)
         server, engine = build_server(args)

@@ -1,0 +1,201 @@
+"""`xllm --launcher=ray`: a 2-node tensor-parallel cluster placed on a real Ray instance
+(a head started with the `ray` CLI, as an operator's cluster would be), serving held-out
+prompts exactly as one node does, and leaving nothing behind when a node's actor dies."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.server_utils import ROOT, free_port, wait_healthy
+from tests.test_cluster import PROMPTS, complete, stream_until_error, unhealthy
+
+ray = pytest.importorskip("ray")  # in the dev extra: installed by `make test`
+
+from xllm_py.cli import build_parser  # noqa: E402
+from xllm_py.distributed.ray_launch import RAY_NAMESPACE, bundles, node_argv  # noqa: E402
+
+NUM_PROMPTS = 16
+FLAGS = ["--dtype=float32", "--nnodes=2", "--max_cache_size=16000000", "--heartbeat_timeout=3"]
+
+
+def ray_cli(*words: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "ray"), *words],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A Ray head on this machine (4 logical CPUs: two 1-CPU bundles fit on 2 cores)."""
+    port = free_port()
+    started = ray_cli(
+        "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false"
+    )
+    assert started.returncode == 0, started.stdout + started.stderr
+    address = f"127.0.0.1:{port}"
+    try:
+        yield address
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        ray_cli("stop", "--force")
+
+
+class Launch:
+    """`python -m xllm_py --launcher=ray ...` in the background, its output collected."""
+
+    def __init__(self, address: str, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = f"/tmp/xllm-ray-launch-{self.port}.log"
+        self.log = open(self.log_path, "w+")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "xllm_py", "--launcher=ray", f"--ray_address={address}"]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [*cmd, "--port", str(self.port), *FLAGS, *flags],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        if not wait_healthy(self.url, self._exited, 240):
+            self.stop()
+            raise RuntimeError(f"the cluster did not come up:\n{self.output()}")
+        self.startup_s = time.monotonic() - self.started
+
+    def _exited(self) -> str | None:
+        if self.proc.poll() is None:
+            return None
+        return f"launcher exited with {self.proc.returncode}:\n{self.output()}"
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def node_pids(self) -> dict[int, int]:
+        return {
+            int(r): int(p) for r, p in re.findall(r"node (\d) on \S+ \(pid (\d+)\)", self.output())
+        }
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(90)
+        finally:
+            self.log.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+        return f.read().split(") ")[1][0] != "Z"
+
+
+def our_node_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "xllm_py" in line and "--node_rank=" in line]
+
+
+def test_each_node_gets_its_rank_device_and_bundle():
+    args = build_parser().parse_args(["--launcher=ray", "--nnodes=3", "--devices=cuda"])
+    assert bundles(args, "10.0.0.7") == [
+        {"GPU": 1.0, "node:10.0.0.7": 0.001},
+        {"GPU": 1.0},
+        {"GPU": 1.0},
+    ]
+    argv = node_argv(["--launcher=ray", "--nnodes=3", "--devices=cuda"], 2, "10.0.0.7:9", "cuda")
+    node = build_parser().parse_args(argv)  # later flags win: what the node process sees
+    assert (node.launcher, node.node_rank, node.master_node_addr, node.devices) == (
+        "process",
+        2,
+        "10.0.0.7:9",
+        "cuda:0",
+    )
+    cpu = build_parser().parse_args(["--launcher=ray", "--nnodes=2", "--ray_cpus_per_node=3"])
+    assert bundles(cpu, "h")[1] == {"CPU": 3.0}
+
+
+@pytest.fixture(scope="module")
+def one_node_greedy():
+    from tests.test_cluster import MAX_TOKENS
+    from xllm_py import LLM, SamplingParams
+
+    llm = LLM(dtype="float32")
+    outs = llm.generate(PROMPTS[:NUM_PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.mark.parametrize("k", [1, 0], ids=["mtp", "plain"])
+def test_tensor_parallel_cluster_through_ray_equals_one_node(ray_head, one_node_greedy, k):
+    c = Launch(ray_head, f"--num_speculative_tokens={k}")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(NUM_PROMPTS) as pool:
+            got = list(pool.map(lambda p: complete(c.url, p), PROMPTS[:NUM_PROMPTS]))
+        assert got == one_node_greedy
+        assert sorted(c.node_pids()) == [0, 1]
+        print(f"start-up through Ray: {c.startup_s:.1f} s")
+    finally:
+        code = c.stop()
+    assert code == 0, c.output()
+    assert "[node 1]" in c.output() and "[node 0]" in c.output()  # node logs, by rank
+    assert not our_node_processes()
+
+
+def test_a_killed_node_actor_fails_the_cluster_and_leaves_nothing(ray_head):
+    c = Launch(ray_head, "--num_speculative_tokens=1")
+    pids = c.node_pids()
+    ray.init(address=ray_head, namespace=RAY_NAMESPACE, logging_level="WARNING")
+    try:
+        actor = ray.get_actor(f"xllm-node-1-{c.proc.pid}")
+        streaming = [threading.Event(), threading.Event()]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futs = [
+                pool.submit(stream_until_error, c.url, p, e.set)
+                for p, e in zip(PROMPTS[:2], streaming)
+            ]
+            assert all(e.wait(60) for e in streaming)  # both requests are in flight
+            killed = time.monotonic()
+            ray.kill(actor)
+            while alive(pids[0]) and time.monotonic() - killed < 60:
+                time.sleep(0.2)
+            master_gone = time.monotonic() - killed
+            results = [f.result(60) for f in futs]
+        assert master_gone <= 15, f"the master took {master_gone:.1f} s to exit"
+        assert c.proc.wait(60) != 0
+        for events, done in results:
+            assert "error" in events[-1] and done, events[-1]
+        assert unhealthy(c.url)
+        assert not alive(pids[1])  # the killed actor's node process died with it
+        # From the GCS directly (ray.util.state needs the dashboard, which is off here).
+        from ray._private.state import actors as actor_table
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            actors = [a for a in actor_table().values() if a["State"] != "DEAD"]
+            table = ray.util.placement_group_table().values()
+            groups = [g for g in table if g["state"] != "REMOVED"]
+            if not actors and not groups:
+                break
+            time.sleep(0.5)
+        assert not actors and not groups, (actors, groups)
+        assert not our_node_processes()
+    finally:
+        ray.shutdown()
+        c.stop()

@@ -1,0 +1,288 @@
+"""Place a cluster on a Ray cluster: `xllm --launcher=ray --nnodes=N ...`.
+
+What scripts/launch_cluster.sh does with shells and SSH, done with Ray:
+
+1. Connect to `--ray_address` ("auto": the cluster this host belongs to, else a local
+   one started here and stopped on exit; or host:port).
+2. One placement group with a bundle per node: {"GPU": 1} on cuda, {"NPU": 1} on npu,
+   {"CPU": --ray_cpus_per_node} on cpu. Bundle 0 also asks for a sliver of this host's
+   `node:<ip>` resource, so node 0 (the master, with the HTTP API) runs where the
+   launcher was started.
+3. In each bundle a `NodeProcess` actor starts the same entry point the launch script
+   does (`python -m xllm_py ... --node_rank=i`), so gRPC and torch.distributed are
+   unchanged. Ray sets the bundle's device visible (CUDA_VISIBLE_DEVICES /
+   ASCEND_RT_VISIBLE_DEVICES) and the node is told `--devices=cuda:0` (npu:0), the one
+   device it sees. Workers listen on their host's address at a free port; the master's
+   coordination service on this host at the port of --master_node_addr (or a free one).
+   Every line a node prints reaches this terminal prefixed with `[node i]`.
+4. The launcher waits. When the master exits, the workers are stopped and its exit code
+   is the launcher's. When a worker dies (its process exits or its actor is killed), the
+   master finds out by its health checks (--heartbeat_timeout), fails the requests in
+   flight and exits 1; the launcher then exits with that code. SIGTERM or SIGINT to the
+   launcher drains the master (--shutdown_timeout) like a SIGTERM to the daemon.
+   Afterwards, always: node processes stopped, actors killed, the placement group removed.
+
+A node process is started by a thread of its actor that stays alive as long as the
+process and asks the kernel to SIGKILL the process when that thread ends
+(PR_SET_PDEATHSIG), so a killed actor leaves no node process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 10.0  # after the master is gone, how long workers get to exit on their own
+RAY_NAMESPACE = "xllm"  # actors are named xllm-node-<rank>-<launcher pid> in it
+
+
+def _die_with_parent_thread() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _free_port(host: str = "") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class _NodeProcess:
+    """One node of the cluster, inside its placement-group bundle (a Ray actor)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.proc: subprocess.Popen | None = None
+        self._started = threading.Event()
+        self._exit: int | None = None
+
+    def address(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        return _free_port()
+
+    def visible_devices(self) -> dict[str, str]:
+        """The device variables Ray set for this bundle."""
+        names = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
+        return {n: os.environ[n] for n in names if n in os.environ}
+
+    def start(self, argv: list[str], env: dict[str, str]) -> int:
+        """Start `python -m xllm_py argv` from a thread that lives as long as the process;
+        its lines are printed with the node's rank. Returns the pid."""
+
+        def run() -> None:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "xllm_py", *argv],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                text=True,
+                bufsize=1,
+                preexec_fn=_die_with_parent_thread,
+            )
+            self._started.set()
+            for line in self.proc.stdout:
+                print(f"[node {self.rank}] {line}", end="", flush=True)
+            self._exit = self.proc.wait()
+
+        self._thread = threading.Thread(target=run, name=f"node-{self.rank}", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        return self.proc.pid
+
+    def wait(self) -> int:
+        """The node process's exit code, once it has exited."""
+        self._thread.join()
+        return self._exit
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout` seconds; the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._thread.join(5)
+        return self.proc.poll()
+
+
+def node_argv(argv: list[str], rank: int, master_addr: str, device_type: str) -> list[str]:
+    """The launcher's own command line, as node `rank`'s (later flags win in argparse)."""
+    out = list(argv) + ["--launcher=process", f"--node_rank={rank}"]
+    out.append(f"--master_node_addr={master_addr}")
+    if device_type in ("cuda", "npu"):
+        out.append(f"--devices={device_type}:0")  # the one device Ray made visible
+    return out
+
+
+def bundles(args: argparse.Namespace, driver_ip: str) -> list[dict[str, float]]:
+    device = args.devices.split(":")[0]
+    if device == "cuda":
+        one = {"GPU": 1.0}
+    elif device == "npu":
+        one = {"NPU": 1.0}
+    else:
+        one = {"CPU": float(args.ray_cpus_per_node)}
+    out = [dict(one) for _ in range(args.nnodes)]
+    out[0][f"node:{driver_ip}"] = 0.001  # node 0 on this host
+    return out
+
+
+def _connect(address: str, nnodes: int, cpus_per_node: int):
+    """ray.init: the cluster at `address` ("auto": this host's, if any), else a local one
+    with room for every CPU bundle. Returns whether a local cluster was started here."""
+    import ray
+
+    kw = dict(
+        namespace=RAY_NAMESPACE,
+        include_dashboard=False,
+        log_to_driver=True,
+        logging_level=logging.WARNING,
+    )
+    if address != "local":
+        try:
+            ray.init(address=address, **kw)
+            return False
+        except ConnectionError:
+            if address != "auto":
+                raise
+    cpus = max(os.cpu_count() or 1, nnodes * cpus_per_node)
+    ray.init(num_cpus=cpus, **kw)
+    logger.info("started a local Ray instance (%d CPUs)", cpus)
+    return True
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run the cluster described by `args` (the parsed `argv`) on Ray; the exit code."""
+    try:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    except ImportError as e:
+        raise ValueError(f"--launcher=ray needs Ray: pip install 'xllm_py[ray]' ({e})") from e
+
+    t0 = time.perf_counter()
+    own_cluster = _connect(args.ray_address, args.nnodes, args.ray_cpus_per_node)
+    device_type = args.devices.split(":")[0]
+    driver_ip = ray.util.get_node_ip_address()
+    pg = placement_group(bundles(args, driver_ip), strategy="PACK")
+    actors = []
+    stopping = threading.Event()
+    try:
+        try:
+            ray.get(pg.ready(), timeout=args.cluster_timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"Ray could not place {args.nnodes} bundles of {bundles(args, driver_ip)[-1]} "
+                f"within --cluster_timeout={args.cluster_timeout:g} s (resources: "
+                f"{ray.available_resources()})"
+            ) from None
+        remote = ray.remote(_NodeProcess)
+        for i in range(args.nnodes):
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+            opts = {
+                "scheduling_strategy": strategy,
+                "name": f"xllm-node-{i}-{os.getpid()}",
+                "max_concurrency": 4,  # stop() and signal() while wait() blocks
+                "num_cpus": 0,  # the bundle's CPUs are the node process's
+            }
+            if device_type == "cuda":
+                opts["num_gpus"] = 1
+            elif device_type == "npu":
+                opts["resources"] = {"NPU": 1}
+            actors.append(remote.options(**opts).remote(i))
+        ips = ray.get([a.address.remote() for a in actors])
+        given = args.master_node_addr.rsplit(":", 1)[1] if args.master_node_addr else None
+        master_addr = f"{ips[0]}:{given or ray.get(actors[0].free_port.remote())}"
+        env = {"PYTHONUNBUFFERED": "1"}
+        pids = []
+        for i, a in enumerate(actors):
+            words = node_argv(argv, i, master_addr, device_type)
+            if i:  # a worker's gRPC service: its host's address, a free port there
+                words += ["--host", ips[i], "--port", str(ray.get(a.free_port.remote()))]
+            pids.append(ray.get(a.start.remote(words, env)))
+            logger.info(
+                "node %d on %s (pid %d) %s",
+                i,
+                ips[i],
+                pids[-1],
+                ray.get(a.visible_devices.remote()),
+            )
+        logger.info(
+            "%d nodes started through Ray in %.1f s; the API is on node 0 (%s), port %d",
+            args.nnodes, time.perf_counter() - t0, ips[0], args.port,
+        )  # fmt: skip
+        return _supervise(args, actors, stopping)
+    finally:
+        for a in actors:
+            try:
+                ray.get(a.stop.remote(STOP_GRACE_S), timeout=STOP_GRACE_S + 10)
+            except Exception:  # noqa: BLE001 - dead actors have nothing left to stop
+                pass
+            ray.kill(a)
+        remove_placement_group(pg)
+        if own_cluster:
+            ray.shutdown()
+
+
+def _supervise(args: argparse.Namespace, actors, stopping: threading.Event) -> int:
+    """Wait for the master to exit, relaying SIGTERM/SIGINT to it; its exit code (1 when a
+    worker died and the master still exited 0)."""
+    import ray
+
+    def relay(signum, frame) -> None:
+        stopping.set()
+        actors[0].signal.remote(signal.SIGTERM)  # the master drains, then exits
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, relay)
+    waits = {a.wait.remote(): rank for rank, a in enumerate(actors)}
+    worker_died = False
+    deadline = None
+    while True:
+        done, _ = ray.wait(list(waits), num_returns=1, timeout=1.0)
+        if not done:
+            if deadline is not None and time.monotonic() > deadline:
+                logger.error("the master did not exit after a worker died; stopping it")
+                actors[0].stop.remote(STOP_GRACE_S)
+                deadline = None
+            continue
+        rank = waits.pop(done[0])
+        try:
+            code = ray.get(done[0])
+        except ray.exceptions.RayActorError as e:
+            code = None
+            logger.error("node %d: its Ray actor died (%s)", rank, type(e).__name__)
+        if rank == 0:
+            if code is None:
+                return 1
+            if code == 0 and worker_died:
+                return 1
+            logger.info("the master exited with %d; stopping the workers", code)
+            return code
+        if not stopping.is_set():
+            worker_died = True
+            logger.error("node %d exited (%s); the master fails over its health checks", rank,
+                         "actor killed" if code is None else f"exit code {code}")  # fmt: skip
+            # The master declares the worker dead after --heartbeat_timeout and exits.
+            deadline = time.monotonic() + args.heartbeat_timeout + args.shutdown_timeout + 30
