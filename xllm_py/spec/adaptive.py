@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 DECAY = 0.98
 PRIOR_ACCEPTANCE = 0.7
 HOLD = 4
-EXPLORE_EVERY = 32
+EXPLORE_EVERY = 64
 STALE_AFTER = 256
-SWITCH_MARGIN = 0.03
+SWITCH_MARGIN = 0.10
 COST_WINDOW = 9
 
 
@@ -62,6 +62,7 @@ class _Bucket:
     recent: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     steps: int = 0  # steps chosen in this bucket
     explore_up: bool = False  # which neighbour the next refresh tries
+    incumbent: int | None = None  # the k this bucket runs between trials
 
     def fresh(self, k: int) -> list[float]:
         return [s for at, s in self.recent.get(k, ()) if self.steps - at <= STALE_AFTER]
@@ -123,9 +124,10 @@ class AdaptiveSpeculation:
         if not rates:
             return self.k
         best = max(rates, key=rates.get)
-        current = self.k if self.k in rates else best
+        current = bucket.incumbent if bucket.incumbent in rates else best
         if rates[best] > rates[current] * (1 + SWITCH_MARGIN):
-            return best
+            current = best
+        bucket.incumbent = current  # a trial's k does not become the incumbent by running
         return current
 
     def expected_tokens(self, k: int) -> float:
