@@ -1,6 +1,7 @@
 # xllm-py: two commands on a fresh machine, `make serve` and `make test`.
 # `setup` creates .venv once; torch is pinned to the local CPU build (2.13.0)
-# when no CUDA is visible, so pip never pulls gigabytes of CUDA wheels here.
+# when no CUDA is visible, so pip never pulls gigabytes of CUDA wheels here; TORCH_SPEC
+# overrides that choice (the container images: no GPU is visible while they build).
 PY      ?= python3
 VENV    ?= .venv
 VPY     := $(VENV)/bin/python
@@ -13,7 +14,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	if command -v nvidia-smi >/dev/null 2>&1; then \
+	if [ -n "$(TORCH_SPEC)" ]; then \
+	    $(VPY) -m pip install -q "$(TORCH_SPEC)"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
 	    $(VPY) -m pip install -q "torch>=2.4"; \
 	else \
 	    $(VPY) -m pip install -q torch==2.13.0; \
