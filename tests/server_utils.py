@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -58,7 +59,10 @@ def free_port_range(n: int) -> int:
 
 
 class Server:
-    def __init__(self, *flags: str, startup_timeout: float = 120.0) -> None:
+    def __init__(
+        self, *flags: str, startup_timeout: float = 120.0, env: dict[str, str] | None = None
+    ) -> None:
+        """env: variables added to the daemon's environment."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(f"/tmp/xllm-test-server-{self.port}.log", "w+")  # noqa: SIM115
@@ -67,6 +71,7 @@ class Server:
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
         if wait_healthy(self.url, self._exited, startup_timeout):
             return

@@ -2,6 +2,10 @@
 
 prompt (text | token ids) --tokenize, validate--> EngineCore.add_request
 EngineCore.step() -> EngineCoreOutput --detokenize, stop strings--> RequestOutput
+
+A failure in one request's own work (adding it, detokenising, stop strings) ends that
+request with `RequestOutput.error` set and its blocks freed; the step and the other
+requests go on. A failure of the step itself (the shared forward) raises.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import time
 from typing import Any
 
 from xllm_py.config import EngineConfig
+from xllm_py.engine import faults
 from xllm_py.engine.engine_core import EngineCore
 from xllm_py.engine.output_processor import RequestState
 from xllm_py.engine.outputs import RequestOutput
@@ -102,15 +107,37 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
 
+    def fail_request(self, req_id: str, error: BaseException) -> RequestOutput | None:
+        """End one request because handling its own data raised: its blocks are freed and
+        its output carries the error (None if the request is unknown)."""
+        logger.error(
+            "request %s failed (%s: %s); the others go on",
+            req_id,
+            type(error).__name__,
+            error,
+            exc_info=error,
+        )
+        self.core.finish_request(req_id, "abort")
+        state = self.states.pop(req_id, None)
+        return None if state is None else state.output(f"{type(error).__name__}: {error}")
+
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that advanced."""
         self._maybe_log_stats()
+        if faults.ACTIVE:
+            for state in self.states.values():
+                faults.check("step", state.prompt)
         results = []
         for out in self.core.step():
             state = self.states.get(out.req_id)
             if state is None:
                 continue
-            if state.apply(out) and out.finish_reason is None:
+            try:
+                stopped = state.apply(out)
+            except Exception as e:  # noqa: BLE001 - this request's own fault, not the step's
+                results.append(self.fail_request(out.req_id, e))
+                continue
+            if stopped and out.finish_reason is None:
                 self.core.finish_request(out.req_id, "stop")
             result = state.output()
             if result.finished:

@@ -2,11 +2,13 @@
 
 Stop strings are found here, on the detokenized text: when one appears the
 text is cut before it (or after it with `include_stop_str_in_output`) and
-the request is reported back so the core stops and frees it.
+the request is reported back so the core stops and frees it. Everything here is
+one request's own work: an exception fails that request only (LLMEngine.step).
 """
 
 from __future__ import annotations
 
+from xllm_py.engine import faults
 from xllm_py.engine.outputs import CompletionOutput, RequestOutput
 from xllm_py.engine.scheduler import EngineCoreOutput
 from xllm_py.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -35,6 +37,7 @@ class RequestState:
 
     def apply(self, out: EngineCoreOutput) -> bool:
         """Fold one step's output in; True if a stop string ended the request here."""
+        faults.check("output", self.prompt)
         c = self.completion
         c.token_ids.extend(out.new_token_ids)
         if c.logprobs is not None and out.new_logprobs:
@@ -69,11 +72,14 @@ class RequestState:
         c.finish_reason, c.stop_reason = "stop", s
         return True
 
-    def output(self) -> RequestOutput:
+    def output(self, error: str | None = None) -> RequestOutput:
+        if error is not None:
+            self.completion.finish_reason, self.completion.stop_reason = "error", None
         return RequestOutput(
             self.req_id,
             self.prompt,
             self.prompt_ids,
             [self.completion],
             finished=self.completion.finish_reason is not None,
+            error=error,
         )

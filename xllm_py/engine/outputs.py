@@ -11,7 +11,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None  # per generated token: id -> logprob (chosen + top N)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
@@ -26,3 +26,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # set when handling this request's own data failed (finish_reason "error"): the request
+    # was ended and its blocks freed; the engine and the other requests went on
+    error: str | None = None

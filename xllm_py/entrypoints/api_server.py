@@ -6,8 +6,10 @@
 
 Both POST endpoints stream with `"stream": true` (SSE `data: {...}` chunks, then
 `data: [DONE]`). Every error has OpenAI's shape `{"error": {"message", "type",
-"param", "code"}}`: 400 bad input, 401 bad key, 404 unknown model or route, 413
-oversized body, 429 too many requests in flight, 503 draining or engine dead.
+"param", "code"}}`: 400 bad input, 401 bad key, 404 unknown model or route, 405
+wrong method (with `Allow`), 413 oversized body, 429 too many requests in flight, 500
+this request failed on its own (the others go on), 503 draining or engine dead.
+/openapi.json declares each route's request body and these answers.
 A client that goes away (mid-stream or while waiting) aborts its requests, so
 their KV blocks are freed at the next engine step.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -25,6 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -33,18 +37,22 @@ from xllm_py.entrypoints.async_engine import (
     AsyncEngine,
     EngineDeadError,
     RequestAbortedError,
+    RequestFailedError,
     Update,
 )
 from xllm_py.entrypoints.openai_protocol import (
+    ERROR_STATUSES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     from_validation_error,
 )
 from xllm_py.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
 from xllm_py.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.2
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,6 +89,15 @@ class _Slot:
             if self.held:
                 self.held = False
                 self.server.in_flight -= self.weight
+
+
+def _internal_error(e: Exception) -> APIError:
+    """A 500 for a fault in one request's own handling (RequestFailedError from the engine,
+    or an exception here while formatting its answer); logged with its traceback."""
+    if not isinstance(e, RequestFailedError):
+        logger.error("request failed while formatting its answer: %r", e, exc_info=e)
+        e = RequestFailedError(f"request failed: {type(e).__name__}: {e}")
+    return APIError(500, str(e), type="server_error")
 
 
 def _sse(obj: dict) -> str:
@@ -305,6 +322,8 @@ class OpenAIServer:
             task.result()
         except (EngineDeadError, RequestAbortedError) as e:
             raise APIError(503, str(e), type="server_error") from e
+        except RequestFailedError as e:
+            raise APIError(500, str(e), type="server_error") from e
         finally:
             task.cancel()
         out_choices = []
@@ -408,9 +427,61 @@ class OpenAIServer:
             yield _sse(APIError(503, str(e), type="server_error").body())
         except APIError as e:
             yield _sse(e.body())
+        except Exception as e:  # noqa: BLE001 - this request's fault: it ends, the rest go on
+            yield _sse(_internal_error(e).body())
         finally:
             slot.release()
         yield "data: [DONE]\n\n"
+
+
+def _errors(*statuses: int) -> dict:
+    return {s: {"model": ErrorResponse, "description": ERROR_STATUSES[s]} for s in statuses}
+
+
+def _post_doc(body: type[BaseModel], what: str) -> dict:
+    """Route arguments that document a POST route whose body the handler validates itself:
+    the request body's schema (added to the components by `_openapi`) and every answer."""
+    return {
+        "openapi_extra": {
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{body.__name__}"}
+                    }
+                },
+            }
+        },
+        "responses": {
+            200: {
+                "description": f"{what}: one JSON object, or with `stream: true` server-sent "
+                "events (`data: {...}` chunks, then `data: [DONE]`)",
+                "content": {"application/json": {}, "text/event-stream": {}},
+            },
+            **_errors(400, 401, 404, 413, 429, 500, 503),
+        },
+    }
+
+
+def _openapi(app: FastAPI, max_model_len: int) -> dict:
+    """FastAPI's document plus the request bodies' JSON schemas, with the token limits
+    this server enforces, so generated clients and fuzzers see what is accepted."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (CompletionRequest, ChatCompletionRequest):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            for name in ("max_tokens", "max_completion_tokens"):  # larger never fits
+                if name in body["properties"]:
+                    for option in body["properties"][name].get("anyOf", []):
+                        if option.get("type") == "integer":
+                            option["maximum"] = max_model_len
+            components[model.__name__] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def build_app(engine: AsyncEngine, opts: ServerOptions, metrics: ServerMetrics) -> FastAPI:
@@ -425,12 +496,20 @@ def build_app(engine: AsyncEngine, opts: ServerOptions, metrics: ServerMetrics) 
     async def _api_error(_: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):
+        return JSONResponse(_internal_error(e).body(), status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):
         kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(
-            APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code
+        return JSONResponse(  # e.headers carries a 405's Allow
+            APIError(e.status_code, str(e.detail), type=kind).body(),
+            status_code=e.status_code,
+            headers=e.headers,
         )
+
+    app.openapi = lambda: _openapi(app, server.max_model_len)
 
     def check_key(request: Request) -> None:
         if opts.api_key and request.headers.get("authorization") != f"Bearer {opts.api_key}":
@@ -443,15 +522,15 @@ def build_app(engine: AsyncEngine, opts: ServerOptions, metrics: ServerMetrics) 
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
-    @v1.post("/completions")
+    @v1.post("/completions", **_post_doc(CompletionRequest, "The completion"))
     async def completions(request: Request):
         return await server.handle(request, chat=False)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", **_post_doc(ChatCompletionRequest, "The chat completion"))
     async def chat_completions(request: Request):
         return await server.handle(request, chat=True)
 
-    @v1.get("/models")
+    @v1.get("/models", responses=_errors(401))
     async def models():
         return {
             "object": "list",
@@ -468,7 +547,7 @@ def build_app(engine: AsyncEngine, opts: ServerOptions, metrics: ServerMetrics) 
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "Draining, or the engine stopped"}})
     async def health():
         if engine.dead is not None:
             return JSONResponse({"status": "dead", "error": str(engine.dead)}, status_code=503)
@@ -476,7 +555,11 @@ def build_app(engine: AsyncEngine, opts: ServerOptions, metrics: ServerMetrics) 
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}},
+    )
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 

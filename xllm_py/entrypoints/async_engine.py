@@ -8,9 +8,11 @@
     disconnect / cancel -> abort queue ───> abort_request: blocks freed
 
 The loop never blocks the event loop: model steps run here, and results cross
-over with `loop.call_soon_threadsafe`. If a step raises, the engine is dead:
-every in-flight request gets an EngineDeadError, `dead` is set (so /health
-answers 503) and `on_failure` is called (the server then exits non-zero).
+over with `loop.call_soon_threadsafe`. A failure in one request's own work (adding
+it, its output processing) fails that request only, with RequestFailedError; the
+others go on. If a step raises, the engine is dead: every in-flight request gets an
+EngineDeadError, `dead` is set (so /health answers 503) and `on_failure` is called
+(the server then exits non-zero).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ IDLE_WAIT_S = 0.05
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped with an error; no request can complete."""
+
+
+class RequestFailedError(RuntimeError):
+    """Handling this request's own data raised; it was ended, the engine goes on."""
 
 
 class RequestAbortedError(RuntimeError):
@@ -207,8 +213,13 @@ class AsyncEngine:
             pending, self._pending = list(self._pending), deque()
             aborts, self._aborts = dict(self._aborts), deque()
         for p in pending:
-            if p.req_id not in aborts:  # else cancelled before it reached the engine
+            if p.req_id in aborts:  # cancelled before it reached the engine
+                continue
+            try:
                 self.engine.add_tokenized(p.req_id, p.text, p.ids, p.sampling, validated=True)
+            except Exception as e:  # noqa: BLE001 - this request's fault, not the engine's
+                out = self.engine.fail_request(p.req_id, e)
+                self._fail(p.req_id, p.stream, out.error if out else f"{type(e).__name__}: {e}")
         now = time.monotonic()
         for req_id, record in aborts.items():
             self.engine.abort_request(req_id)  # frees its blocks; a no-op if never admitted
@@ -230,6 +241,9 @@ class AsyncEngine:
             s = streams.get(out.request_id)
             if s is None:
                 continue  # aborted meanwhile
+            if out.error is not None:
+                self._fail(out.request_id, s, out.error)
+                continue
             c = out.outputs[0]
             new = c.token_ids[s.sent_tokens :]
             logprobs = None
@@ -245,6 +259,15 @@ class AsyncEngine:
                 with self._lock:
                     self._streams.pop(out.request_id, None)
             s.loop.call_soon_threadsafe(s.queue.put_nowait, upd)
+
+    def _fail(self, req_id: str, s: _Stream, error: str) -> None:
+        """One request failed on its own: its handler gets RequestFailedError."""
+        self.events.on_finished(s.record, "error", time.monotonic())
+        with self._lock:
+            self._streams.pop(req_id, None)
+        s.loop.call_soon_threadsafe(
+            s.queue.put_nowait, RequestFailedError(f"request {req_id} failed: {error}")
+        )
 
     def _die(self, error: BaseException) -> None:
         with self._lock:

@@ -130,6 +130,8 @@ class LLM:
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
+                    if out.error is not None:
+                        raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)

@@ -62,6 +62,31 @@ class APIError(Exception):
         }
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (what `APIError.body` writes), for /openapi.json."""
+
+    error: ErrorDetail
+
+
+ERROR_STATUSES = {
+    400: "Bad input: a malformed body, a wrong type or value (`param` names the field), or a "
+    "prompt that does not fit the context",
+    401: "Missing or wrong API key (the server runs with --api_key)",
+    404: "Unknown model or route",
+    413: "Request body larger than --max_request_body_bytes",
+    429: "More requests in flight than --max_concurrent_requests; retry later",
+    500: "This request failed while it was being served; the other requests go on",
+    503: "The server is shutting down or its engine has stopped",
+}
+
+
 def from_validation_error(e: ValidationError) -> APIError:
     err = e.errors()[0]
     loc = ".".join(str(p) for p in err["loc"] if p not in ("body",))

@@ -1,0 +1,97 @@
+"""Per-request fault isolation in the real daemon (MTP on): a fault in one request's own
+work fails that request with a 500 in OpenAI's shape and frees its blocks, while the
+requests beside it finish with the output they have on their own; a fault in the shared
+step still fails everything and the daemon exits 1. Faults come from the documented hook
+XLLM_FAULT_INJECT (xllm_py/engine/faults.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.server_utils import Server
+
+MARKER = "FAULT-HERE"
+PROMPTS = [
+    f"<|bos|><|user|>\nTell me about topic {i} in a few words.\n<|assistant|>\n" for i in range(8)
+]
+FAULTY = f"<|bos|><|user|>\n{MARKER} please.\n<|assistant|>\n"
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, list[dict]]:
+    body = {
+        "prompt": prompt,
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    text, events = "", []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            events.append(event)
+            if "choices" in event:
+                text += "".join(c["text"] for c in event["choices"])
+    return text, events
+
+
+async def _run_all(url: str, prompts: list[str]) -> list[tuple[str, list[dict]]]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await asyncio.gather(*(_stream(client, url, p) for p in prompts))
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server(
+        "--dtype=float32",
+        "--num_speculative_tokens=1",
+        env={"XLLM_FAULT_INJECT": f"output:{MARKER}"},
+    ) as s:
+        yield s
+
+
+def test_one_faulty_request_fails_alone_and_the_others_keep_their_output(server):
+    alone = [t for t, _ in asyncio.run(_run_all(server.url, PROMPTS))]
+    results = asyncio.run(_run_all(server.url, [*PROMPTS[:4], FAULTY, *PROMPTS[4:]]))
+    together = [t for t, _ in results[:4] + results[5:]]
+    assert together == alone
+    for _, events in results[:4] + results[5:]:
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+    # the faulty stream ends with an error event in OpenAI's shape
+    err = results[4][1][-1]["error"]
+    assert err["type"] == "server_error" and "request" in err["message"]
+    assert "InjectedFault" in err["message"]
+    # the same fault without streaming: a 500 in OpenAI's shape
+    r = httpx.post(
+        server.url + "/v1/completions", json={"prompt": FAULTY, "max_tokens": 8}, timeout=60
+    )
+    assert r.status_code == 500
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    # its blocks were freed and nothing is left running; the engine still serves
+    assert server.metric("xllm:kv_cache_usage_perc") == 0
+    assert server.metric("xllm:num_requests_running") == 0
+    assert server.metric("xllm:request_success_total", finished_reason="error") == 2
+    again = asyncio.run(_run_all(server.url, PROMPTS[:1]))[0][0]
+    assert again == alone[0]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_fault_in_the_shared_step_fails_every_request_and_exits_1():
+    s = Server(
+        "--dtype=float32", "--num_speculative_tokens=1", env={"XLLM_FAULT_INJECT": f"step:{MARKER}"}
+    )
+    try:
+        results = asyncio.run(_run_all(s.url, [PROMPTS[0], FAULTY]))
+        for _, events in results:
+            assert events[-1]["error"]["type"] == "server_error"
+        s.proc.wait(60)
+        assert s.proc.returncode == 1
+    finally:
+        s.stop()

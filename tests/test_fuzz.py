@@ -1,0 +1,103 @@
+"""Generated input: schemathesis, driven by the daemon's own /openapi.json, against the
+real daemon (bundled model, MTP on) on loopback. Every /v1 route gets schema-valid and
+schema-breaking bodies; no answer may be a server error, every 4xx must be in OpenAI's
+error shape and documented, and the daemon must serve a normal completion afterwards.
+
+Crashes the fuzzer found are kept as regular tests (test_found_* below)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_utils import Server
+
+SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
+EXAMPLES_PER_OPERATION = 60  # plus the coverage phase's boundary cases: > 500 in all
+MIN_CASES = 500
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+# schemathesis's default checks are all of them; these are off, each for its reason
+EXCLUDED_CHECKS = {
+    # A schema-valid body can still be refused with a 400 the schema cannot express:
+    # prompt + max_tokens must fit the context, token ids must be in the vocabulary, a
+    # text prompt must not be empty after tokenising, `model` must be the served one.
+    "positive_data_acceptance": "cross-field and vocabulary limits JSON Schema cannot state",
+    # Needs an API key to test against; the keyed paths have their own tests
+    # (tests/test_api_server.py), and this daemon runs without --api_key.
+    "ignored_auth": "the fuzzed daemon runs without --api_key",
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    # a short context keeps every generated request cheap (up to 16 choices x 48 tokens)
+    with Server("--num_speculative_tokens=1", "--max_model_len=48", "--dtype=float32") as s:
+        yield s
+
+
+def _run_schemathesis(url: str, har: Path) -> subprocess.CompletedProcess:
+    """The CLI as a user runs it, in har's folder (it keeps a cache in its working dir)."""
+    cmd = [
+        str(SCHEMATHESIS), "run", f"{url}/openapi.json",
+        "--checks", "all",
+        "--exclude-checks", ",".join(EXCLUDED_CHECKS),
+        "--phases", "examples,coverage,fuzzing",
+        "--max-examples", str(EXAMPLES_PER_OPERATION),
+        "--seed", "20261124",
+        "--workers", "1",
+        "--request-timeout", "60",
+        "--no-color",
+        "--report", "har", "--report-har-path", str(har),
+    ]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=har.parent)
+
+
+def test_generated_requests_get_no_server_error_and_only_openai_shaped_errors(server, tmp_path):
+    har = tmp_path / "fuzz.har"
+    run = _run_schemathesis(server.url, har)
+    report = run.stdout[-6000:] + run.stderr[-2000:]
+    entries = json.loads(har.read_text())["log"]["entries"]
+    per_route = Counter(httpx.URL(e["request"]["url"]).path for e in entries)
+    assert sum(per_route[r] for r in ROUTES) >= MIN_CASES, (per_route, report)
+    assert all(per_route[r] > 0 for r in ROUTES), per_route
+    for e in entries:
+        status = e["response"]["status"]
+        assert status < 500, (e["request"], e["response"]["content"].get("text"))
+        if 400 <= status < 500 and e["request"]["url"].startswith(server.url + "/v1"):
+            body = json.loads(e["response"]["content"]["text"])
+            assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert run.returncode == 0, report
+    ok = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 8, "temperature": 0},
+        timeout=60,
+    )
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+
+
+def test_openapi_declares_request_bodies_and_error_answers(server):
+    doc = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    for route, model in (
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+    ):
+        post = doc["paths"][route]["post"]
+        ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model}"
+        body = doc["components"]["schemas"][model]
+        assert body["additionalProperties"] is False and body["properties"]
+        assert {"400", "401", "404", "413", "429", "500", "503"} <= set(post["responses"])
+    assert "prompt" in doc["components"]["schemas"]["CompletionRequest"]["required"]
+    assert "messages" in doc["components"]["schemas"]["ChatCompletionRequest"]["required"]
+
+
+def test_wrong_method_is_405_with_allow(server):
+    r = httpx.get(server.url + "/v1/completions", timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
