@@ -87,7 +87,7 @@ def control_overhead(n: int) -> dict:
     )  # fmt: skip
     try:
         reg = coordinator.wait_all(120)[1]
-        client = WorkerClient(1, reg.address)
+        client = WorkerClient(1, reg.address, coordinator.session)
         init = pb.InitModelRequest(world_size=2, dp_size=2, tp_size=1, ep_size=1, replica=1)
         ex = GrpcExecutor([client], init, 60)
         ex.determine_num_blocks()

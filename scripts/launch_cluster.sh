@@ -16,6 +16,10 @@
 #   BLOCK_SIZE=128  ENABLE_PREFIX_CACHE=true  ENABLE_CHUNKED_PREFILL=true
 #   LOG_DIR=log (node_$i.log, cluster.pids)  HEALTH_TIMEOUT=300  STOP_TIMEOUT=60  EXTRA_ARGS=""
 #   PYTHON (default: .venv/bin/python of this checkout, else python3)
+#   CLUSTER_TOKEN_FILE (empty: a new random token for each start, written to
+#     LOG_DIR/cluster.token, mode 0600): the shared secret every cluster RPC must carry;
+#     each node gets --cluster_token_file (never the token itself on a command line).
+#     For TLS on the gRPC control plane add --cluster_tls_cert/_key/_ca to EXTRA_ARGS.
 #   DRY_RUN=0 (1: print the command that would start each node, or each host's ssh
 #     command; start nothing, record nothing)
 # Node i listens on START_PORT + i and uses device START_DEVICE + i (one host), or
@@ -38,7 +42,8 @@
 #     checkout has a .venv, else python3)
 #   REMOTE_ENV="" (VAR=value words set for each node started with SSH, e.g.
 #     NCCL_SOCKET_IFNAME=eth0; the SSH session's environment is all they get otherwise)
-# MODEL_PATH and DRAFT_MODEL_PATH must be valid on every host. Each host keeps its nodes'
+# The token is copied to LOG_DIR/cluster.token (0600) on every host through SSH's
+# standard input. MODEL_PATH and DRAFT_MODEL_PATH must be valid on every host. Each host keeps its nodes'
 # logs in LOG_DIR made absolute here (e.g. $PWD/log/node_$i.log there); cluster.pids
 # ("host pid" per node) stays here, and `stop` and `status` reach the hosts with the SSH
 # of their own environment. The master's health is checked at http://<first host>:START_PORT.
@@ -84,8 +89,10 @@ if [[ -z "${REMOTE_PYTHON:-}" ]]; then
   fi
 fi
 REMOTE_ENV="${REMOTE_ENV:-}"
+CLUSTER_TOKEN_FILE="${CLUSTER_TOKEN_FILE:-}"
 PID_FILE="$LOG_DIR/cluster.pids"
 if [[ "$LOG_DIR" == /* ]]; then LOG_ABS="$LOG_DIR"; else LOG_ABS="$PWD/$LOG_DIR"; fi
+TOKEN_SRC="${CLUSTER_TOKEN_FILE:-$LOG_ABS/cluster.token}"  # the token, on this host
 read -r -a SSH_CMD <<< "$SSH"
 
 die() { echo "$0: $*" >&2; exit 1; }
@@ -111,6 +118,15 @@ on_host() {  # on_host HOST COMMAND: run a shell command line on HOST with SSH
 }
 
 alive() { kill -0 "$1" 2>/dev/null; }
+
+make_token() {  # make_token FILE: a new random token (64 hex digits) only its owner reads
+  local tmp="$1.tmp.$$"
+  (umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d ' \n' > "$tmp") && mv -f "$tmp" "$1"
+}
+
+node_token_file() {  # node_token_file RANK: the --cluster_token_file of node RANK
+  if [[ -n "${NODE_HOST[$1]}" ]]; then echo "$LOG_ABS/cluster.token"; else echo "$TOKEN_SRC"; fi
+}
 
 signal_node() {  # signal a node's process group (it leads one, see setsid), else the pid
   kill "-$1" -- "-$2" 2>/dev/null || kill "-$1" "$2" 2>/dev/null || true
@@ -327,6 +343,7 @@ node_words() {  # node_words RANK PYTHON: sets WORDS, the command line of node R
     --enable_mla=true --block_size="$BLOCK_SIZE" --ep_size="$EP_SIZE" --dp_size="$DP_SIZE"
     --enable_prefix_cache="$ENABLE_PREFIX_CACHE"
     --enable_chunked_prefill="$ENABLE_CHUNKED_PREFILL" --host "${NODE_BIND[i]}"
+    --cluster_token_file="$(node_token_file "$i")"
   )
   [[ -n "$MODEL_PATH" ]] && common+=(--model "$MODEL_PATH")
   if [[ -n "$DRAFT_MODEL_PATH" && "$NUM_SPECULATIVE_TOKENS" != 0 ]]; then
@@ -350,8 +367,12 @@ node_words() {  # node_words RANK PYTHON: sets WORDS, the command line of node R
 
 host_command() {  # host_command HOST: the shell command line that starts HOST's nodes
   # there and prints their pids, one a line
-  local host=$1 i cmd="" sep=""
-  cmd="mkdir -p $(q "$LOG_ABS") && cd $(q "$REMOTE_ROOT") || exit 1"
+  local host=$1 i cmd="" sep="" token
+  token=$(q "$LOG_ABS/cluster.token")
+  # the token arrives on standard input; a temporary file and mv, because on this host
+  # standard input may be that very file
+  cmd="mkdir -p $(q "$LOG_ABS") && (umask 077 && cat > $token.tmp && mv -f $token.tmp $token)"
+  cmd+=" && cd $(q "$REMOTE_ROOT") || exit 1"
   for i in "${!NODE_HOST[@]}"; do
     [[ "${NODE_HOST[i]}" == "$host" ]] || continue
     node_words "$i" "$REMOTE_PYTHON"
@@ -365,9 +386,14 @@ start_cluster() {
   plan_nodes
   local url i h
   if (( MULTI )); then url="http://${HOST_NAMES[0]}:$START_PORT"; else url="http://$HOST:$START_PORT"; fi
+  if [[ -n "$CLUSTER_TOKEN_FILE" && ! -r "$CLUSTER_TOKEN_FILE" ]]; then
+    die "CLUSTER_TOKEN_FILE=$CLUSTER_TOKEN_FILE: cannot read it"
+  fi
   if [[ "$DRY_RUN" == 1 ]]; then
     if (( MULTI )); then
-      for h in "${HOST_NAMES[@]}"; do echo "$(qjoin "${SSH_CMD[@]}" "$h") $(q "$(host_command "$h")")"; done
+      for h in "${HOST_NAMES[@]}"; do
+        echo "$(qjoin "${SSH_CMD[@]}" "$h") $(q "$(host_command "$h")") < $(q "$TOKEN_SRC")"
+      done
     else
       for (( i = 0; i < NNODES; i++ )); do
         node_words "$i" "$PYTHON"
@@ -389,11 +415,12 @@ start_cluster() {
     fi
     rm -f "$PID_FILE"
   fi
+  [[ -n "$CLUSTER_TOKEN_FILE" ]] || make_token "$TOKEN_SRC"
   if (( MULTI )); then
     local out pids n rc
     for h in "${!HOST_NAMES[@]}"; do
       rc=0
-      out=$(on_host "${HOST_NAMES[h]}" "$(host_command "${HOST_NAMES[h]}")") || rc=$?
+      out=$("${SSH_CMD[@]}" "${HOST_NAMES[h]}" "$(host_command "${HOST_NAMES[h]}")" < "$TOKEN_SRC") || rc=$?
       pids=$(echo "$out" | grep -E '^[0-9]+$' || true)
       for i in $pids; do echo "${HOST_NAMES[h]} $i" >> "$PID_FILE"; done
       n=$(echo "$pids" | wc -w)

@@ -50,6 +50,10 @@ def test_launch_serve_and_stop(tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         assert (tmp_path / "log" / "node_0.log").is_file()
         assert (tmp_path / "log" / "node_1.log").is_file()
+        token = tmp_path / "log" / "cluster.token"  # made for this launch, for our eyes only
+        assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64
+        worker_log = (tmp_path / "log" / "node_1.log").read_text()
+        assert "cluster RPCs need the cluster token" in worker_log
     finally:
         down = subprocess.run(
             ["bash", str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=120

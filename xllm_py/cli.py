@@ -13,10 +13,15 @@ nodes 1..N-1 run a worker whose gRPC service listens on their --host:--port:
     xllm --nnodes=2 --dp_size=2 --node_rank=0 --master_node_addr=10.0.0.1:9900 --port 8000
     xllm --nnodes=2 --dp_size=2 --node_rank=1 --master_node_addr=10.0.0.1:9900 --port 9901
 
-Exit status: 0 after a clean shutdown (SIGTERM/SIGINT: /health and new requests
-answer 503 while in-flight requests get --shutdown_timeout seconds to finish; the rest
-are aborted with an error naming the timeout);
-1 when the engine failed (in-flight requests get an error first); 2 for bad flags.
+Give every node the same --cluster_token_file (and --cluster_tls_cert/_key/_ca for TLS):
+without a token anyone who can reach the gRPC ports can join or drive the cluster.
+
+Exit status: 0 after a clean shutdown (SIGTERM/SIGINT on the master, or on a cluster
+worker, which asks the master to do the same: /health and new requests answer 503 while
+in-flight requests get --shutdown_timeout seconds to finish; the rest are aborted with
+an error naming the timeout);
+1 when the engine failed (in-flight requests get an error first); 2 for bad flags or
+unreadable token or certificate files.
 """
 
 from __future__ import annotations
@@ -112,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         "shutdown_timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM, seconds in-flight requests may take before they are aborted",
+        help="on SIGTERM, seconds in-flight requests may take before they are aborted (on a "
+        "cluster worker: SIGTERM drains the whole cluster, and the worker waits this long "
+        "plus 15 s for the master to shut it down)",
     )
 
     flag(
@@ -273,6 +280,34 @@ def build_parser() -> argparse.ArgumentParser:
         "groups, and a collective waiting for a rank (graph compilation included)",
     )
     flag(
+        "cluster_token_file",
+        default=None,
+        help=g + "file holding the shared secret every cluster RPC must carry (the same on "
+        "every node; preferred over --cluster_token, which `ps` shows). Without a token, "
+        "anyone who can reach the gRPC ports can join or drive the cluster",
+    )
+    flag(
+        "cluster_token",
+        default=None,
+        help=g + "the shared secret itself (visible in `ps`: prefer --cluster_token_file or "
+        "the environment variable XLLM_CLUSTER_TOKEN, read when neither flag is given)",
+    )
+    flag(
+        "cluster_tls_cert",
+        default=None,
+        help=g + "PEM certificate of this node: every gRPC service and channel uses TLS; it "
+        "must name the address the other nodes dial (--master_node_addr's host, a worker's "
+        "--host). Needs --cluster_tls_key",
+    )
+    flag("cluster_tls_key", default=None, help=g + "PEM private key of --cluster_tls_cert")
+    flag(
+        "cluster_tls_ca",
+        default=None,
+        help=g + "PEM CA certificate(s): mutual TLS, every node verifies its peers against "
+        "it and presents its own certificate (without it: no client certificates, and "
+        "servers are verified against the system's roots)",
+    )
+    flag(
         "log_level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -321,11 +356,26 @@ def check_args(a: argparse.Namespace) -> None:
         bad(f"--nnodes={a.nnodes}: --master_node_addr=host:port of node 0 is required")
     if a.nnodes > 1 or a.ep_size > 1 or a.dp_size > 1:
         cluster_options(a)  # the layout itself (divisibility, ep_size)
+        from xllm_py.distributed.security import check_flags
+
+        check_flags(*_security_flags(a))  # their files are read at start-up
 
 
-def cluster_options(a: argparse.Namespace):
-    """The cluster flags as ClusterOptions (ValueError naming the flag if inconsistent)."""
+def _security_flags(a: argparse.Namespace) -> tuple:
+    return (
+        a.cluster_token,
+        a.cluster_token_file,
+        a.cluster_tls_cert,
+        a.cluster_tls_key,
+        a.cluster_tls_ca,
+    )
+
+
+def cluster_options(a: argparse.Namespace, read_secrets: bool = False):
+    """The cluster flags as ClusterOptions (ValueError naming the flag if inconsistent);
+    with `read_secrets`, also the token and TLS files (read now)."""
     from xllm_py.distributed.layout import ClusterLayout, ClusterOptions
+    from xllm_py.distributed.security import INSECURE, load_security
 
     return ClusterOptions(
         ClusterLayout(a.nnodes, a.dp_size, a.ep_size),
@@ -335,6 +385,7 @@ def cluster_options(a: argparse.Namespace):
         a.heartbeat_timeout,
         a.step_timeout,
         a.process_group_timeout,
+        load_security(*_security_flags(a)) if read_secrets else INSECURE,
     )
 
 
@@ -384,14 +435,15 @@ def build_config(a: argparse.Namespace):
     return config
 
 
-def build_core(a: argparse.Namespace, config):
+def build_core(a: argparse.Namespace, config, on_worker_drain=lambda why: None):
     """The engine core: None (LLMEngine builds a one-node core), or on the master of a
-    cluster, the data-parallel core once every worker has registered and loaded."""
+    cluster, the data-parallel core once every worker has registered and loaded.
+    on_worker_drain(why): a worker got SIGTERM (called from the health monitor's thread)."""
     if a.nnodes == 1:
         return None
     from xllm_py.distributed.master import Cluster
 
-    cluster = Cluster(cluster_options(a), config)
+    cluster = Cluster(cluster_options(a, read_secrets=True), config, on_worker_drain)
     try:
         return cluster.start()
     except BaseException as e:
@@ -404,7 +456,8 @@ def run_worker(a: argparse.Namespace) -> int:
     from xllm_py.distributed.worker_node import run_worker_node
 
     set_cpu_threads(a)
-    return run_worker_node(cluster_options(a), build_config(a), a.host, a.port)
+    opts = cluster_options(a, read_secrets=True)
+    return run_worker_node(opts, build_config(a), a.host, a.port, a.shutdown_timeout)
 
 
 def build_server(a: argparse.Namespace):
@@ -421,7 +474,8 @@ def build_server(a: argparse.Namespace):
     config = build_config(a)
     model = config.model.path
     name = a.served_model_name or os.path.basename(os.path.normpath(str(model)))
-    engine = AsyncEngine(LLMEngine(config, build_core(a, config)))
+    worker_drains: list[str] = []  # appended by the health monitor, read by on_tick
+    engine = AsyncEngine(LLMEngine(config, build_core(a, config, worker_drains.append)))
     metrics = ServerMetrics(name)
     metrics.attach(engine)
     app = build_app(
@@ -436,15 +490,20 @@ def build_server(a: argparse.Namespace):
         """SIGTERM/SIGINT drains: the port stays open, /health and new requests answer 503,
         in-flight requests run until they end or --shutdown_timeout passes; the rest are
         then aborted with an error naming the timeout, and uvicorn shuts down. A second
-        signal ends the drain at once, a third is uvicorn's own (SIGINT: force exit)."""
+        signal ends the drain at once, a third is uvicorn's own (SIGINT: force exit).
+        A cluster worker's SIGTERM (reported by its health checks) starts the same drain;
+        afterwards `run` shuts the workers down cleanly."""
 
         drain_deadline: float | None = None
         drain_logged = False
 
+        def begin_drain(self) -> None:
+            engine.draining = True  # /health turns 503 while in-flight requests finish
+            self.drain_deadline = time.monotonic() + a.shutdown_timeout
+
         def handle_exit(self, sig, frame) -> None:
             if self.drain_deadline is None:
-                engine.draining = True  # /health turns 503 while in-flight requests finish
-                self.drain_deadline = time.monotonic() + a.shutdown_timeout
+                self.begin_drain()
             elif not self.should_exit:
                 self.drain_deadline = 0.0
             else:
@@ -454,6 +513,9 @@ def build_server(a: argparse.Namespace):
             getattr(self, "_captured_signals", []).clear()
 
         async def on_tick(self, counter: int) -> bool:
+            if worker_drains and self.drain_deadline is None:
+                logger.warning("%s: draining the cluster", worker_drains[0])
+                self.begin_drain()
             if self.drain_deadline is not None and not self.should_exit:
                 self._drain()
             return await super().on_tick(counter)

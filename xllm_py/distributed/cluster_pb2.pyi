@@ -45,10 +45,12 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_rank: _Optional[int] = ..., device: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("world_size",)
+    __slots__ = ("world_size", "session")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     world_size: int
-    def __init__(self, world_size: _Optional[int] = ...) -> None: ...
+    session: str
+    def __init__(self, world_size: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class InitModelRequest(_message.Message):
     __slots__ = ("rank", "world_size", "dp_size", "tp_size", "ep_size", "replica", "init_method")
@@ -93,12 +95,14 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("ready", "steps")
+    __slots__ = ("ready", "steps", "draining")
     READY_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     steps: int
-    def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens")

@@ -3,22 +3,25 @@
 A registration is accepted only if the worker's rank is free and in 1..nnodes-1, its
 layout flags equal the master's and its model fingerprint equals the master's; otherwise
 the RPC fails with details naming what differs (the worker prints them and exits 2). The
-master keeps waiting for a good registration until --cluster_timeout.
+master keeps waiting for a good registration until --cluster_timeout. An accepted
+registration is answered with the master's session id, which the master then sends with
+every Worker RPC (security.py: a worker obeys only the master it registered with).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 
 import grpc
 
 from xllm_py.distributed import cluster_pb2 as pb
 from xllm_py.distributed import cluster_pb2_grpc as pb_grpc
 from xllm_py.distributed.layout import ClusterLayout, fingerprint_differences, layout_differences
+from xllm_py.distributed.security import INSECURE, ClusterSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +30,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def __init__(self, layout: ClusterLayout, fingerprint: pb.ModelFingerprint) -> None:
         self.layout = layout
         self.fingerprint = fingerprint
+        self.session = secrets.token_hex(16)  # this master's id; see RegisterReply.session
         self.members: dict[int, pb.RegisterRequest] = {}
         self.on_register: Callable[[pb.RegisterRequest], None] = lambda request: None
         self._cond = threading.Condition()
@@ -45,7 +49,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         logger.info(
             "node %d registered: %s at %s", request.node_rank, request.device, request.address
         )
-        return pb.RegisterReply(world_size=self.layout.nnodes)
+        return pb.RegisterReply(world_size=self.layout.nnodes, session=self.session)
 
     def _refusal(self, r: pb.RegisterRequest) -> tuple[grpc.StatusCode, str]:
         n = self.layout.nnodes
@@ -95,20 +99,12 @@ def _reachable(request: pb.RegisterRequest, peer: str) -> pb.RegisterRequest:
     return fixed
 
 
-def listen(server: grpc.Server, address: str, flags: str) -> None:
-    """Bind `server` to address or raise ValueError naming the flags that chose it."""
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError:
-        port = 0
-    if not port:
-        raise ValueError(f"{flags}: cannot listen on {address} (in use?)")
-
-
-def serve_coordinator(address: str, coordinator: Coordinator) -> grpc.Server:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+def serve_coordinator(
+    address: str, coordinator: Coordinator, security: ClusterSecurity = INSECURE
+) -> grpc.Server:
+    server = security.server(max_workers=4)
     pb_grpc.add_CoordinatorServicer_to_server(coordinator, server)
-    listen(server, address, f"--master_node_addr={address}")
+    security.listen(server, address, f"--master_node_addr={address}")
     server.start()
-    logger.info("coordination service listening on %s", address)
+    logger.info("coordination service listening on %s (%s)", address, security.describe())
     return server

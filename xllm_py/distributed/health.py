@@ -5,6 +5,10 @@ not answered for `timeout` seconds is dead; so is one whose channel reports it g
 (a killed process refuses connections at once, so that takes about one poll). The first
 death is the verdict: executors give up their steps, the engine fails its requests and
 the master tells the other workers to shut down.
+
+A worker that answers `draining` (it got SIGTERM/SIGINT) is alive and still serves steps;
+the monitor reports it once through `on_drain`, and the master drains as on its own
+SIGTERM, then shuts the cluster down cleanly.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -25,9 +30,12 @@ MAX_UNAVAILABLE = 2
 
 
 class HealthMonitor:
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, on_drain: Callable[[str], None] = lambda why: None) -> None:
+        """on_drain(why): called once per worker that reports it is draining."""
         self.timeout = timeout
+        self.on_drain = on_drain
         self.failure: str | None = None
+        self._draining: set[int] = set()
         self._clients: list[WorkerClient] = []
         self._last_ok: dict[int, float] = {}
         self._unavailable: dict[int, int] = {}
@@ -59,7 +67,7 @@ class HealthMonitor:
     def _poll(self, c: WorkerClient) -> None:
         now = time.monotonic()
         try:
-            c.health(timeout=POLL_INTERVAL_S)
+            reply = c.health(timeout=POLL_INTERVAL_S)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self._unavailable[c.rank] += 1
@@ -72,6 +80,9 @@ class HealthMonitor:
             return
         self._last_ok[c.rank] = time.monotonic()
         self._unavailable[c.rank] = 0
+        if reply.draining and c.rank not in self._draining:
+            self._draining.add(c.rank)
+            self.on_drain(f"{c!r} is shutting down (SIGTERM/SIGINT)")
 
     def _fail(self, why: str) -> None:
         if self.failure is None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from xllm_py.config import EngineConfig
 from xllm_py.distributed import cluster_pb2 as pb
+from xllm_py.distributed.security import INSECURE, ClusterSecurity
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class ClusterOptions:
     heartbeat_timeout: float = 5.0  # silence after which a worker (or the master) is dead
     step_timeout: float = 300.0  # deadline of one ExecuteStep
     process_group_timeout: float = 600.0  # torch.distributed, every rank alike
+    security: ClusterSecurity = INSECURE  # cluster token and TLS of every gRPC service and channel
 
     def __post_init__(self) -> None:
         if not 0 <= self.node_rank < self.layout.nnodes:

@@ -10,11 +10,17 @@
 
 `Cluster.shutdown` sends Shutdown to every worker (failure=True after an engine failure,
 so they exit non-zero too) and stops the coordination service and the monitor.
+
+Every channel and service uses `opts.security` (token, TLS); the workers' stubs also
+carry the coordinator's session id. A worker that reports it is draining (SIGTERM on
+it) is handed to `on_drain`: the daemon drains its HTTP API as on its own SIGTERM and
+then shuts the cluster down with failure=False.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from xllm_py.config import EngineConfig
 from xllm_py.distributed import cluster_pb2 as pb
@@ -27,6 +33,7 @@ from xllm_py.distributed.layout import (
     model_fingerprint,
     rendezvous_address,
 )
+from xllm_py.distributed.security import warn_if_open
 from xllm_py.engine.dp_engine_core import DataParallelEngineCore
 from xllm_py.executor.grpc_executor import GrpcExecutor, MasterReplicaExecutor, WorkerClient
 
@@ -34,18 +41,26 @@ logger = logging.getLogger(__name__)
 
 
 class Cluster:
-    def __init__(self, opts: ClusterOptions, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        opts: ClusterOptions,
+        config: EngineConfig,
+        on_drain: Callable[[str], None] = lambda why: None,
+    ) -> None:
+        """on_drain(why): a worker is shutting down (called from the monitor's thread)."""
         self.opts = opts
         self.config = config
-        self.monitor = HealthMonitor(opts.heartbeat_timeout)
+        warn_if_open(opts.security, "master")
+        self.monitor = HealthMonitor(opts.heartbeat_timeout, on_drain)
         self.clients: dict[int, WorkerClient] = {}
         self.coordinator = Coordinator(opts.layout, model_fingerprint(config))
         self.coordinator.on_register = self._watch
-        self.server = serve_coordinator(opts.master_node_addr, self.coordinator)
+        self.server = serve_coordinator(opts.master_node_addr, self.coordinator, opts.security)
         self.core: DataParallelEngineCore | None = None
 
     def _watch(self, reg: pb.RegisterRequest) -> None:
-        client = WorkerClient(reg.node_rank, reg.address)
+        session, security = self.coordinator.session, self.opts.security
+        client = WorkerClient(reg.node_rank, reg.address, session, security)
         self.clients[reg.node_rank] = client
         self.monitor.add(client)
 

@@ -15,11 +15,16 @@ What scripts/launch_cluster.sh does with shells and SSH, done with Ray:
    device it sees. Workers listen on their host's address at a free port; the master's
    coordination service on this host at the port of --master_node_addr (or a free one).
    Every line a node prints reaches this terminal prefixed with `[node i]`.
+   Every node gets the same cluster token in its environment (XLLM_CLUSTER_TOKEN), not
+   on its command line: the launcher's own --cluster_token_file / --cluster_token /
+   XLLM_CLUSTER_TOKEN, or one generated for this launch. --cluster_tls_* paths are
+   passed on as they are, so the files must exist on every host.
 4. The launcher waits. When the master exits, the workers are stopped and its exit code
    is the launcher's. When a worker dies (its process exits or its actor is killed), the
    master finds out by its health checks (--heartbeat_timeout), fails the requests in
    flight and exits 1; the launcher then exits with that code. SIGTERM or SIGINT to the
-   launcher drains the master (--shutdown_timeout) like a SIGTERM to the daemon.
+   launcher drains the master (--shutdown_timeout) like a SIGTERM to the daemon; so does
+   one to a worker's process (the master drains, then shuts every node down, exit 0).
    Afterwards, always: node processes stopped, actors killed, the placement group removed.
 
 A node process is started by a thread of its actor that stays alive as long as the
@@ -33,6 +38,7 @@ import argparse
 import ctypes
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -126,13 +132,37 @@ class _NodeProcess:
         return self.proc.poll()
 
 
+TOKEN_FLAGS = ("--cluster_token", "--cluster_token_file")  # the nodes get the token by env
+
+
 def node_argv(argv: list[str], rank: int, master_addr: str, device_type: str) -> list[str]:
-    """The launcher's own command line, as node `rank`'s (later flags win in argparse)."""
-    out = list(argv) + ["--launcher=process", f"--node_rank={rank}"]
+    """The launcher's own command line, as node `rank`'s (later flags win in argparse),
+    less the token flags."""
+    out = _without_token_flags(argv) + ["--launcher=process", f"--node_rank={rank}"]
     out.append(f"--master_node_addr={master_addr}")
     if device_type in ("cuda", "npu"):
         out.append(f"--devices={device_type}:0")  # the one device Ray made visible
     return out
+
+
+def _without_token_flags(argv: list[str]) -> list[str]:
+    out, skip_value = [], False
+    for word in argv:
+        if skip_value:
+            skip_value = False
+        elif word.split("=", 1)[0] in TOKEN_FLAGS:
+            skip_value = "=" not in word  # `--cluster_token VALUE`: drop VALUE too
+        else:
+            out.append(word)
+    return out
+
+
+def cluster_token(args: argparse.Namespace) -> str:
+    """The token of every node: the launcher's (--cluster_token_file, --cluster_token,
+    XLLM_CLUSTER_TOKEN), else a new random one for this launch."""
+    from xllm_py.distributed.security import read_token
+
+    return read_token(args.cluster_token, args.cluster_token_file) or secrets.token_hex(32)
 
 
 def bundles(args: argparse.Namespace, driver_ip: str) -> list[dict[str, float]]:
@@ -181,6 +211,9 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     except ImportError as e:
         raise ValueError(f"--launcher=ray needs Ray: pip install 'xllm_py[ray]' ({e})") from e
 
+    from xllm_py.distributed.security import TOKEN_ENV
+
+    env = {"PYTHONUNBUFFERED": "1", TOKEN_ENV: cluster_token(args)}  # read before Ray starts
     t0 = time.perf_counter()
     own_cluster = _connect(args.ray_address, args.nnodes, args.ray_cpus_per_node)
     device_type = args.devices.split(":")[0]
@@ -214,7 +247,6 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         ips = ray.get([a.address.remote() for a in actors])
         given = args.master_node_addr.rsplit(":", 1)[1] if args.master_node_addr else None
         master_addr = f"{ips[0]}:{given or ray.get(actors[0].free_port.remote())}"
-        env = {"PYTHONUNBUFFERED": "1"}
         pids = []
         for i, a in enumerate(actors):
             words = node_argv(argv, i, master_addr, device_type)
@@ -280,7 +312,7 @@ def _supervise(args: argparse.Namespace, actors, stopping: threading.Event) -> i
                 return 1
             logger.info("the master exited with %d; stopping the workers", code)
             return code
-        if not stopping.is_set():
+        if code != 0 and not stopping.is_set():  # 0: the master shut it down (a drain)
             worker_died = True
             logger.error("node %d exited (%s); the master fails over its health checks", rank,
                          "actor killed" if code is None else f"exit code {code}")  # fmt: skip

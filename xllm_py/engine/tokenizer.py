@@ -1,12 +1,36 @@
 """Tokenizer from a checkpoint directory (`tokenizer.json` + `tokenizer_config.json`),
-using HF `tokenizers` directly, plus incremental detokenization."""
+using HF `tokenizers` directly, plus incremental detokenization.
+
+The chat template comes with the checkpoint, so it is untrusted code: it renders in
+jinja2's immutable sandbox, where a template that reaches for Python internals (an
+attribute starting with `_`, e.g. `''.__class__`) or calls a method that mutates a value
+(`list.append`) fails with `ChatTemplateRefused` instead of running.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
+import jinja2
+import jinja2.sandbox
+from jinja2.exceptions import SecurityError
 from tokenizers import Tokenizer as _HFTokenizer
+
+
+class ChatTemplateRefused(ValueError):
+    """The chat template tried something the sandbox forbids; nothing of it ran."""
+
+
+class _ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, except that reading an unsafe attribute fails at once:
+    jinja2 would render it as an empty string (and fail only on its use)."""
+
+    def unsafe_undefined(self, obj, attribute: str):
+        raise SecurityError(
+            f"access to attribute {attribute!r} of a {type(obj).__name__!r} value is unsafe"
+        )
 
 
 def _token_text(value) -> str | None:
@@ -53,15 +77,22 @@ class Tokenizer:
             raise ValueError(
                 "messages: this checkpoint's tokenizer_config.json has no chat_template"
             )
-        import jinja2.sandbox
+        try:
+            return self._template(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=_token_text(self.config.get("bos_token")) or "",
+                eos_token=_token_text(self.config.get("eos_token")) or "",
+            )
+        except SecurityError as e:
+            raise ChatTemplateRefused(
+                f"the checkpoint's chat template was refused by the sandbox: {e}"
+            ) from None
 
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=_token_text(self.config.get("bos_token")) or "",
-            eos_token=_token_text(self.config.get("eos_token")) or "",
-        )
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def _template(source: str) -> jinja2.Template:
+        return _ChatSandbox(trim_blocks=True, lstrip_blocks=True).from_string(source)
 
 
 class IncrementalDetokenizer:

@@ -32,6 +32,7 @@ import grpc
 
 from xllm_py.distributed import cluster_pb2 as pb
 from xllm_py.distributed import cluster_pb2_grpc as pb_grpc
+from xllm_py.distributed.security import INSECURE, SESSION_KEY, ClusterSecurity
 from xllm_py.distributed.wire import output_from_pb, sched_to_pb
 from xllm_py.executor.base import Executor
 from xllm_py.executor.messages import ModelRunnerOutput, SchedulerOutput
@@ -51,12 +52,16 @@ class WorkerFailedError(RuntimeError):
 
 
 class WorkerClient:
-    """The master's handle on one remote rank: its Worker service's stub."""
+    """The master's handle on one remote rank: its Worker service's stub. Every call
+    carries the cluster token (if any) and `session`, the master's id from its
+    RegisterReply, without which the worker refuses all but Health."""
 
-    def __init__(self, rank: int, address: str) -> None:
+    def __init__(
+        self, rank: int, address: str, session: str, security: ClusterSecurity = INSECURE
+    ) -> None:
         self.rank = rank
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = security.channel(address, CHANNEL_OPTIONS, [(SESSION_KEY, session)])
         self.stub = pb_grpc.WorkerStub(self.channel)
 
     def __repr__(self) -> str:
