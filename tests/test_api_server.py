@@ -41,7 +41,8 @@ def mtp_server():
 
 @pytest.fixture(scope="module")
 def plain_server():
-    """MTP off, with an API key and small limits for the abuse tests."""
+    """MTP off, with an API key, small limits and strict request fields for the abuse
+    tests."""
     with Server(
         "--dtype=float32",
         f"--api_key={KEY}",
@@ -49,6 +50,7 @@ def plain_server():
         "--max_request_body_bytes=65536",
         f"--max_model_len={MAX_LEN}",
         "--enable_prefix_cache=false",
+        "--strict_request_fields=true",
     ) as s:
         yield s
 

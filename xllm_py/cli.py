@@ -114,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag("max_request_body_bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     flag(
+        "strict_request_fields",
+        type=parse_bool,
+        default=False,
+        help="true: a request field this server does not declare is a 400; false (default): "
+        "fields neither OpenAI nor vLLM defines are ignored with one warning per name "
+        "(docs/api_fields.md lists every field)",
+    )
+    flag(
         "shutdown_timeout",
         type=float,
         default=30.0,
@@ -480,7 +488,13 @@ def build_server(a: argparse.Namespace):
     metrics.attach(engine)
     app = build_app(
         engine,
-        ServerOptions(name, a.api_key, a.max_concurrent_requests, a.max_request_body_bytes),
+        ServerOptions(
+            name,
+            a.api_key,
+            a.max_concurrent_requests,
+            a.max_request_body_bytes,
+            a.strict_request_fields,
+        ),
         metrics,
     )
 

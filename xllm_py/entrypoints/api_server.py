@@ -2,7 +2,8 @@
 
     POST /v1/completions        text or token-id prompts (one or a batch), n choices each
     POST /v1/chat/completions   messages rendered with the checkpoint's chat template
-    GET  /v1/models   GET /health   GET /metrics   GET /openapi.json
+    POST /tokenize  POST /detokenize   vLLM's token utilities (count, truncate, decode)
+    GET  /v1/models   GET /version   GET /health   GET /metrics   GET /openapi.json
 
 Both POST endpoints stream with `"stream": true` (SSE `data: {...}` chunks, then
 `data: [DONE]`). Every error has OpenAI's shape `{"error": {"message", "type",
@@ -33,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from xllm_py import __version__
 from xllm_py.entrypoints.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -45,7 +47,9 @@ from xllm_py.entrypoints.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
+    TokenizeRequest,
     from_validation_error,
 )
 from xllm_py.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
@@ -61,6 +65,7 @@ class ServerOptions:
     api_key: str | None = None
     max_concurrent_requests: int = 256
     max_request_body_bytes: int = 1 << 20
+    strict_request_fields: bool = False  # True: a field the server does not declare is a 400
 
 
 @dataclass
@@ -110,6 +115,7 @@ class OpenAIServer:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.max_model_len
         self.in_flight = 0
+        self.warned_fields: set[str] = set()  # unknown request fields already logged
 
     # ---- request plumbing ----------------------------------------------------------------------
 
@@ -128,6 +134,14 @@ class OpenAIServer:
             req = model.model_validate_json(b"".join(chunks))
         except ValidationError as e:
             raise from_validation_error(e) from e
+        for name in req.unknown_fields(self.opts.strict_request_fields):
+            if name not in self.warned_fields:
+                self.warned_fields.add(name)
+                logger.warning(
+                    "ignoring request field %r: neither OpenAI nor vLLM defines it (logged once; "
+                    "--strict_request_fields=true refuses such fields)",
+                    name,
+                )
         req.check_unsupported()
         if req.model is not None and req.model != self.opts.served_model_name:
             raise APIError(
@@ -161,19 +175,59 @@ class OpenAIServer:
                 type="rate_limit_error",
             )
 
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
+        """The messages through the checkpoint's chat template (errors: 400 on messages)."""
+        if self.tokenizer is None:
+            raise APIError(400, "messages: this checkpoint has no tokenizer", param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(
+                req.message_dicts(), add_generation_prompt=req.add_generation_prompt
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        except Exception as e:  # a template error is the template's, reported as such
+            raise APIError(400, f"messages: chat template failed: {e}", param="messages") from e
+
+    async def tokenize_route(self, request: Request) -> dict:
+        req = await self.read_body(request, TokenizeRequest)
+        prompt = req.prompt if req.prompt is not None else self.render_chat(req)
+        _, ids = self.tokenize(prompt)
+        out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        out["token_strs"] = [self._token_str(t) for t in ids] if req.return_token_strs else None
+        return out
+
+    async def detokenize_route(self, request: Request) -> dict:
+        req = await self.read_body(request, DetokenizeRequest)
+        if self.tokenizer is None:
+            raise APIError(400, "tokens: this checkpoint has no tokenizer", param="tokens")
+        vocab = self.engine.engine.config.model.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            msg = f"tokens: {bad[0]} is not a token id (0..{vocab - 1})"
+            raise APIError(400, msg, param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    def tokenize(
+        self, prompt: str | list[int], truncate: int | None = None
+    ) -> tuple[str | None, list[int]]:
+        """(text, ids); with `truncate` (truncate_prompt_tokens) only the last ids are kept,
+        and the text is then None (the tokens are the prompt)."""
         try:
             if isinstance(prompt, str):
-                return self.engine.engine.tokenize_prompt(prompt)
-            return None, list(prompt)
+                text, ids = self.engine.engine.tokenize_prompt(prompt)
+            else:
+                text, ids = None, list(prompt)
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from e
+        if truncate is not None and len(ids) > truncate:
+            return None, ids[-truncate:]
+        return text, ids
 
     def choices(self, req, prompts, max_tokens: int | None, logprobs: int | None) -> list[_Choice]:
         base = uuid.uuid4().hex
         out = []
         for pi, prompt in enumerate(prompts):
-            text, ids = self.tokenize(prompt)
+            text, ids = self.tokenize(prompt, req.truncate_prompt_tokens)
             for i in range(req.n):
                 sp = req.sampling(max_tokens, logprobs, i)
                 try:  # the engine's checks, the prompt's length against the context included
@@ -265,16 +319,7 @@ class OpenAIServer:
         req = await self.read_body(request, model)
         self.admit(0)  # draining or dead: refuse before tokenizing anything
         if chat:
-            if self.tokenizer is None:
-                raise APIError(400, "messages: this checkpoint has no tokenizer", param="messages")
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    req.message_dicts(), add_generation_prompt=req.add_generation_prompt
-                )
-            except ValueError as e:
-                raise APIError(400, str(e), param="messages") from e
-            except Exception as e:  # a template error is the template's, reported as such
-                raise APIError(400, f"messages: chat template failed: {e}", param="messages") from e
+            text = self.render_chat(req)
             prompts, limit, logprobs = [text], req.output_limit, req.num_logprobs()
         else:
             prompts, limit, logprobs = req.prompts(), req.max_tokens, req.logprobs
@@ -286,8 +331,11 @@ class OpenAIServer:
         prompt_tokens = sum(len(c.ids) for c in choices if c.index % req.n == 0)
         slot = _Slot(self, len(choices))
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = self._stream(req, chat, choices, head, kind, prompt_tokens, include_usage, slot)
+            opts = req.stream_options
+            usage = "" if opts is None or not opts.include_usage else "end"
+            if usage and opts.continuous_usage_stats:
+                usage = "every chunk"
+            gen = self._stream(req, chat, choices, head, kind, prompt_tokens, usage, slot)
             # A stream cancelled before its first chunk never runs its `finally`.
             weakref.finalize(gen, slot.release)
             return StreamingResponse(gen, media_type="text/event-stream")
@@ -357,14 +405,26 @@ class OpenAIServer:
             },
         }
 
-    async def _stream(self, req, chat, choices, head, kind, prompt_tokens, include_usage, slot):
+    async def _stream(self, req, chat, choices, head, kind, prompt_tokens, usage, slot):
+        """usage: "" none, "end" a usage chunk at the end (include_usage), "every chunk"
+        also the usage so far in every chunk (continuous_usage_stats)."""
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         sent = {c.index: 0 for c in choices}  # characters of text already streamed
         offsets = {c.index: 0 for c in choices}
         completion_tokens = 0
 
+        def usage_so_far() -> dict:
+            return {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            }
+
         def chunk(choice: dict) -> str:
-            return _sse({**head, "object": chunk_kind, "choices": [choice]})
+            body = {**head, "object": chunk_kind, "choices": [choice]}
+            if usage == "every chunk":
+                body["usage"] = usage_so_far()
+            return _sse(body)
 
         try:
             if chat:
@@ -410,19 +470,8 @@ class OpenAIServer:
                     if u.finished:
                         body["stop_reason"] = u.stop_reason
                     yield chunk(body)
-            if include_usage:
-                yield _sse(
-                    {
-                        **head,
-                        "object": chunk_kind,
-                        "choices": [],
-                        "usage": {
-                            "prompt_tokens": prompt_tokens,
-                            "completion_tokens": completion_tokens,
-                            "total_tokens": prompt_tokens + completion_tokens,
-                        },
-                    }
-                )
+            if usage:
+                yield _sse({**head, "object": chunk_kind, "choices": [], "usage": usage_so_far()})
         except (EngineDeadError, RequestAbortedError) as e:
             yield _sse(APIError(503, str(e), type="server_error").body())
         except APIError as e:
@@ -438,7 +487,7 @@ def _errors(*statuses: int) -> dict:
     return {s: {"model": ErrorResponse, "description": ERROR_STATUSES[s]} for s in statuses}
 
 
-def _post_doc(body: type[BaseModel], what: str) -> dict:
+def _post_doc(body: type[BaseModel], what: str, stream: bool = True) -> dict:
     """Route arguments that document a POST route whose body the handler validates itself:
     the request body's schema (added to the components by `_openapi`) and every answer."""
     return {
@@ -457,7 +506,9 @@ def _post_doc(body: type[BaseModel], what: str) -> dict:
                 "description": f"{what}: one JSON object, or with `stream: true` server-sent "
                 "events (`data: {...}` chunks, then `data: [DONE]`)",
                 "content": {"application/json": {}, "text/event-stream": {}},
-            },
+            }
+            if stream
+            else {"description": what, "content": {"application/json": {}}},
             **_errors(400, 401, 404, 413, 429, 500, 503),
         },
     }
@@ -471,7 +522,7 @@ def _openapi(app: FastAPI, max_model_len: int) -> dict:
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest):
+        for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
             for name in ("max_tokens", "max_completion_tokens"):  # larger never fits
@@ -546,6 +597,29 @@ def build_app(engine: AsyncEngine, opts: ServerOptions, metrics: ServerMetrics) 
         }
 
     app.include_router(v1)
+
+    # vLLM's token utilities, at the root as vLLM serves them
+    keyed = [Depends(check_key)]
+
+    @app.post(
+        "/tokenize",
+        dependencies=keyed,
+        **_post_doc(TokenizeRequest, "`count`, `max_model_len`, `tokens`", stream=False),
+    )
+    async def tokenize(request: Request):
+        return await server.tokenize_route(request)
+
+    @app.post(
+        "/detokenize",
+        dependencies=keyed,
+        **_post_doc(DetokenizeRequest, "`prompt`: the text of the ids", stream=False),
+    )
+    async def detokenize(request: Request):
+        return await server.detokenize_route(request)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/health", responses={503: {"description": "Draining, or the engine stopped"}})
     async def health():

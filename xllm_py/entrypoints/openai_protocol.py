@@ -1,10 +1,16 @@
 """OpenAI request bodies (pydantic) and the OpenAI error shape.
 
-Bodies are validated strictly: a wrong type is an error (no "5" -> 5), and an
-unknown field is an error, as OpenAI's own API does. Fields OpenAI defines but
-this server does not implement (penalties, logit_bias, echo, suffix, tools,
-...) are accepted only at their neutral value; anything else is a 400 that
-says the feature is not supported, never a silent ignore.
+Known fields are validated strictly: a wrong type is an error (no "5" -> 5) and so is an
+out-of-range value, each a 400 naming the field. Other fields follow the policy tools
+that talk to vLLM expect (docs/api_fields.md has the table):
+
+- a field OpenAI or vLLM defines that cannot change the tokens (`metadata`, `store`,
+  `service_tier`, ...) is ignored;
+- one they define that would change the output and is not implemented here (beam
+  search, `suffix`, guided decoding, ...) is accepted only at its neutral value;
+  anything else is a 400 saying it is not supported, never a silent ignore;
+- a field neither defines is ignored, with one warning line per field name (the server
+  logs it), unless the server runs with --strict_request_fields=true: then it is a 400.
 """
 
 from __future__ import annotations
@@ -97,20 +103,105 @@ def from_validation_error(e: ValidationError) -> APIError:
         return APIError(400, f"body: not valid JSON ({msg})")
     if param in UNION_FIELDS and len(err["loc"]) > 1:  # say what fits, not one member's error
         return APIError(400, f"{param}: must be {UNION_FIELDS[param]}", param=param)
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field (not part of the OpenAI API or not supported here)"
     return APIError(400, f"{loc or 'body'}: {msg}", param=param)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+# Fields of OpenAI's or vLLM's bodies this server accepts and does not act on: none of
+# them can change the tokens (bookkeeping, routing and effort hints).
+IGNORED_FIELDS = frozenset(
+    {
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "prompt_cache_key",
+        "safety_identifier",
+        "request_id",
+        "priority",
+        "cache_salt",
+        "reasoning_effort",
+        "verbosity",
+        "messages.refusal",
+        "messages.reasoning_content",
+    }
+)
+# Fields of OpenAI's or vLLM's bodies that would change the output and are not
+# implemented: name -> the neutral values that are accepted.
+REFUSED_FIELDS: dict[str, tuple] = {
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,),
+    "structured_outputs": (None,),
+    "logits_processors": (None,),
+    "prompt_embeds": (None,),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "modalities": (None, ["text"]),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+    "mm_processor_kwargs": (None,),
+    "add_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "messages.tool_calls": (None, []),
+    "messages.tool_call_id": (None,),
+}
+
+
+class _Body(BaseModel):
+    """A request body or part of one: known fields strict, other fields kept for
+    `extra_fields` to sort out (ignored, refused, or unknown)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def extra_fields(self, prefix: str = "") -> dict[str, Any]:
+        return {prefix + k: v for k, v in (self.model_extra or {}).items()}
+
+    def check_unsupported(self) -> None:
+        """Refuse values of declared fields this server does not implement."""
+
+    def unknown_fields(self, strict: bool) -> list[str]:
+        """Names of fields neither OpenAI nor vLLM defines (the caller warns about them);
+        a 400 for a refused field at a non-neutral value, or for any field this model
+        does not declare when `strict` (--strict_request_fields)."""
+        unknown = []
+        for name, value in self.extra_fields().items():
+            param = name.split(".")[0]
+            if strict:
+                raise APIError(400, f"{name}: unknown field (--strict_request_fields)", param=param)
+            if name in REFUSED_FIELDS:
+                if not any(value == v and type(value) is type(v) for v in REFUSED_FIELDS[name]):
+                    raise APIError(400, f"{name}: not supported by this server", param=param)
+            elif name not in IGNORED_FIELDS:
+                unknown.append(name)
+        return unknown
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
+    # with include_usage: every chunk carries the usage so far (vLLM's extension)
+    continuous_usage_stats: bool = False
 
 
-class _Common(BaseModel):
+class _Common(_Body):
     """Fields both endpoints take."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -128,11 +219,18 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the prompt's last N tokens
     # OpenAI fields without an implementation: only their neutral values are accepted.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+
+    def extra_fields(self, prefix: str = "") -> dict[str, Any]:
+        out = super().extra_fields(prefix)
+        if self.stream_options is not None:
+            out.update(self.stream_options.extra_fields("stream_options."))
+        return out
 
     def check_unsupported(self) -> None:
         neutral = {
@@ -202,14 +300,12 @@ class CompletionRequest(_Common):
         return list(p)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -231,11 +327,26 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
+    def extra_fields(self, prefix: str = "") -> dict[str, Any]:
+        out = super().extra_fields(prefix)
+        for m in self.messages:
+            out.update(m.extra_fields("messages."))
+            if isinstance(m.content, list):
+                for part in m.content:
+                    out.update(part.extra_fields("messages.content."))
+        return out
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools or self.tool_choice not in (None, "none"):
+        if self.tools:
             raise APIError(
                 400, "tools: tool calling is not supported by this server", param="tools"
+            )
+        if self.tool_choice not in (None, "none"):
+            raise APIError(
+                400,
+                "tool_choice: tool calling is not supported by this server",
+                param="tool_choice",
             )
         if self.response_format and self.response_format.get("type") != "text":
             raise APIError(
@@ -252,4 +363,33 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def message_dicts(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return message_dicts(self.messages)
+
+
+def message_dicts(messages: list[ChatMessage] | None) -> list[dict]:
+    """Messages as the chat template takes them."""
+    return [{"role": m.role, "content": m.text()} for m in messages or []]
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check_unsupported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt and messages", param="prompt")
+
+    def message_dicts(self) -> list[dict]:
+        return message_dicts(self.messages)
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize: token ids in, text out."""
+
+    model: str | None = None
+    tokens: list[int]
