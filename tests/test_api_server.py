@@ -232,7 +232,11 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": P, "seed": 2**63 - 1, "n": 2}, 400, "seed"),
     ("/v1/completions", {"prompt": P, "min_tokens": 5 * 10**9}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": P, "n": 3}, 400, "n"),  # > --max_concurrent_requests=2
-    ("/v1/completions", {"prompt": P, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": P, "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": P, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": P, "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": P, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": P, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": P, "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": P, "stream_options": {"include_usage": True}}, 400, "stream"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),

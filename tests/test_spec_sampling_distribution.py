@@ -2,7 +2,8 @@
 MTP draft, thousands of sampled continuations of one prompt per arm, and at every
 generated position the token distribution of speculative decoding (k = 1, 2, 3) equals
 plain decoding's (chi-square homogeneity test, tests/chisquare.py). Settings: temperature
-0.7 with top-k and top-p, temperature 1.2 with min-p, temperature 0.3.
+0.7 with top-k and top-p, temperature 1.2 with min-p, temperature 0.3, temperature 0.8
+with presence, frequency and repetition penalties.
 
 The threshold is calibrated by plain against plain (two seeds): it passes, while a
 verifier that judges drafts by an unnormalised min-p distribution, or by the raw softmax
@@ -31,6 +32,10 @@ SETTINGS = {
     "t0.7-topk12-topp0.85": dict(temperature=0.7, top_k=12, top_p=0.85),
     "t1.2-minp0.05": dict(temperature=1.2, min_p=0.05),
     "t0.3": dict(temperature=0.3),
+    # penalties over the output so far: a verification row must count the drafts before it
+    "t0.8-penalties": dict(
+        temperature=0.8, presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.3
+    ),
 }
 
 

@@ -23,6 +23,13 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's and the top N
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's meanings: presence and frequency penalise tokens of the output so far (by
+    # 1 / by count), repetition divides positive logits (multiplies negative ones) of
+    # tokens of the prompt or the output; logit_bias adds to the raw logits.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -31,6 +38,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         self._validate()
 
     def _validate(self) -> None:
@@ -54,6 +62,14 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0"),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]"),
+            (
+                all(-100 <= v <= 100 for v in self.logit_bias.values()),
+                "logit_bias",
+                "biases must be in [-100, 100]",
+            ),
         ]
         for ok, name, rule in checks:
             if not ok:
@@ -62,3 +78,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias: the sampler changes this request's logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )

@@ -31,11 +31,16 @@ _PLAIN = (
     "ignore_eos",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 
 
 def sampling_to_pb(sp: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(stop=sp.stop, stop_token_ids=sp.stop_token_ids)
+    msg = pb.SamplingParams(
+        stop=sp.stop, stop_token_ids=sp.stop_token_ids, logit_bias=sp.logit_bias or {}
+    )
     for name in _PLAIN:
         setattr(msg, name, getattr(sp, name))
     for name in _OPTIONAL:
@@ -47,7 +52,12 @@ def sampling_to_pb(sp: SamplingParams) -> pb.SamplingParams:
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     kw = {name: getattr(msg, name) for name in _PLAIN}
     kw.update({name: getattr(msg, name) if msg.HasField(name) else None for name in _OPTIONAL})
-    return SamplingParams(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), **kw)
+    return SamplingParams(
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        logit_bias=dict(msg.logit_bias),
+        **kw,
+    )
 
 
 def sched_to_pb(s: SchedulerOutput) -> pb.ExecuteStepRequest:

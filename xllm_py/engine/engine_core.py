@@ -77,6 +77,9 @@ class EngineCore:
         for t in sampling.stop_token_ids:
             if not 0 <= t < vocab:
                 raise ValueError(f"stop_token_ids: {t} is outside [0, vocab_size={vocab})")
+        for t in sampling.logit_bias or {}:
+            if not 0 <= t < vocab:
+                raise ValueError(f"logit_bias: key {t} is outside [0, vocab_size={vocab})")
         if sampling.logprobs is not None and sampling.logprobs > vocab:
             raise ValueError(f"logprobs={sampling.logprobs} exceeds vocab_size={vocab}")
         sched = self.config.scheduler

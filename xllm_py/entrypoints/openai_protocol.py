@@ -220,11 +220,10 @@ class _Common(_Body):
     include_stop_str_in_output: bool = False
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the prompt's last N tokens
-    # OpenAI fields without an implementation: only their neutral values are accepted.
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)  # vLLM
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
 
     def extra_fields(self, prefix: str = "") -> dict[str, Any]:
         out = super().extra_fields(prefix)
@@ -233,16 +232,11 @@ class _Common(_Body):
         return out
 
     def check_unsupported(self) -> None:
-        neutral = {
-            "frequency_penalty": (None, 0, 0.0),
-            "presence_penalty": (None, 0, 0.0),
-            "repetition_penalty": (None, 1, 1.0),
-        }
-        for name, ok in neutral.items():
-            if getattr(self, name) not in ok:
-                raise APIError(400, f"{name}: not supported by this server", param=name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias: not supported by this server", param="logit_bias")
+        for key in self.logit_bias or {}:
+            if not key.lstrip("-").isdigit():
+                raise APIError(
+                    400, f"logit_bias: key {key!r} is not a token id", param="logit_bias"
+                )
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed with stream=true", param="stream")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -267,6 +261,10 @@ class _Common(_Body):
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0,
+                logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             )
         except ValueError as e:
             raise APIError.invalid(e) from e

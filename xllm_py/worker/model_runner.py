@@ -24,7 +24,13 @@ from xllm_py.spec.mtp_proposer import MTPProposer, ProposeInput
 from xllm_py.worker.attention_layout import RequestLayout, build_context
 from xllm_py.worker.graph_runner import GraphRunner
 from xllm_py.worker.rejection_sampler import verify
-from xllm_py.worker.sampler import Sampler, SamplingBatch, logprob_details, token_seed
+from xllm_py.worker.sampler import (
+    LogitAdjust,
+    Sampler,
+    SamplingBatch,
+    logprob_details,
+    token_seed,
+)
 
 
 @dataclass
@@ -139,6 +145,9 @@ class ModelRunner:
         """One token per request, or with drafts, the verified run (rejection_sampler)."""
         rows = [(self.requests[req_ids[i]], j) for i, j in sample_reqs]
         batch = self._sampling_batch(rows)
+        batch.adjust = self._logit_adjust(
+            rows, [spec.get(req_ids[i], [])[:j] for i, j in sample_reqs]
+        )
         out_tokens: list[list[int]] = [[] for _ in req_ids]
         if not spec:
             tokens, chosen, top = self.sampler(logits, batch)
@@ -213,6 +222,46 @@ class ModelRunner:
             )
         drafts = dict(zip([it.req_id for it in items], self.proposer.propose(items, hidden, k)))
         return [drafts.get(req_id, []) for req_id in req_ids]
+
+    def _logit_adjust(
+        self, rows: list[tuple[RunnerRequest, int]], drafts_before: list[list[int]]
+    ) -> LogitAdjust | None:
+        """Bias and penalties of the rows whose requests have any. Row (request, j) is
+        judged after the request's outputs so far and its drafts d_1..d_j: the tokens
+        plain decoding would have produced before that position if they are accepted."""
+        picked = [row for row, (r, _) in enumerate(rows) if r.sampling.adjusts_logits]
+        if not picked:
+            return None
+        dev, vocab = self.device, self.vocab_size
+        counts = torch.zeros(len(picked), vocab, device=dev)
+        seen = torch.zeros(len(picked), vocab, dtype=torch.bool, device=dev)
+        bias = None
+        for a, row in enumerate(picked):
+            r = rows[row][0]
+            outputs = r.token_ids[r.num_prompt_tokens :] + drafts_before[row]
+            if outputs:
+                counts[a] = torch.bincount(
+                    torch.tensor(outputs, device=dev), minlength=vocab
+                ).float()
+            seen[a, torch.tensor(r.token_ids[: r.num_prompt_tokens], device=dev)] = True
+            if r.sampling.logit_bias:
+                bias = torch.zeros(len(picked), vocab, device=dev) if bias is None else bias
+                ids, vals = zip(*r.sampling.logit_bias.items())
+                bias[a, list(ids)] = torch.tensor(vals, device=dev)
+        params = [rows[row][0].sampling for row in picked]
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([[getattr(p, name)] for p in params], device=dev)
+
+        return LogitAdjust(
+            torch.tensor(picked, device=dev),
+            counts,
+            seen | (counts > 0),
+            column("presence_penalty"),
+            column("frequency_penalty"),
+            column("repetition_penalty"),
+            bias,
+        )
 
     def _sampling_batch(self, rows: list[tuple[RunnerRequest, int]]) -> SamplingBatch:
         """Per-row parameters; row (request, j) samples the request's output number

@@ -1,9 +1,12 @@
 """Turn logits into tokens, batched over requests with different parameters.
 
-Order of operations for a row: min_tokens masking (EOS / stop ids -> -inf
-until `min_tokens` outputs exist), then greedy argmax, or temperature, top-k,
-top-p and min-p filtering and a draw. Logprobs are reported from the raw
-model distribution (log_softmax of the unprocessed logits), as vLLM does.
+Order of operations for a row: logit bias, then the repetition, frequency and
+presence penalties (over the tokens before the row's position: the prompt, the
+outputs so far and, on a verification row, the drafts before it), then min_tokens
+masking (EOS / stop ids -> -inf until `min_tokens` outputs exist), then greedy
+argmax, or temperature, top-k, top-p and min-p filtering and a draw. Logprobs are
+reported from the raw model distribution (log_softmax of the unprocessed logits),
+as vLLM does.
 
 Seeded rows are reproducible whatever else is in the batch: all filtering is
 row-local and done in vocabulary order, and the draw is an exponential race
@@ -22,6 +25,28 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads (seed, token index) pairs over 64-b
 
 
 @dataclass
+class LogitAdjust:
+    """Penalties and logit bias of the rows that have any (`rows`), as dense tensors."""
+
+    rows: torch.Tensor  # [A] long: which rows of the batch
+    counts: torch.Tensor  # [A, V] float32: each token's count in the outputs before the row
+    seen: torch.Tensor  # [A, V] bool: in the prompt or those outputs
+    presence: torch.Tensor  # [A, 1]
+    frequency: torch.Tensor  # [A, 1]
+    repetition: torch.Tensor  # [A, 1]
+    bias: torch.Tensor | None  # [A, V], None when no row has a logit bias
+
+    def apply(self, logits: torch.Tensor) -> None:
+        x = logits[self.rows]
+        if self.bias is not None:
+            x = x + self.bias
+        rep = self.repetition
+        x = torch.where(self.seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - self.frequency * self.counts - self.presence * (self.counts > 0)
+        logits[self.rows] = x
+
+
+@dataclass
 class SamplingBatch:
     """Per-row parameters of one step, built by the model runner."""
 
@@ -34,11 +59,14 @@ class SamplingBatch:
     seeds: list[tuple[int, int]]  # (row, seed for this token)
     banned: list[tuple[int, list[int]]]  # (row, token ids masked for min_tokens)
     max_logprobs: int | None  # largest N requested, None if no row wants logprobs
+    adjust: LogitAdjust | None = None  # penalties and logit bias; None: no row has any
 
     @classmethod
-    def greedy_rows(cls, banned=(), max_logprobs: int | None = None) -> SamplingBatch:
+    def greedy_rows(
+        cls, banned=(), max_logprobs: int | None = None, adjust: LogitAdjust | None = None
+    ) -> SamplingBatch:
         """A batch in which every row is greedy: no per-row tensors are needed."""
-        return cls(None, None, True, None, None, None, [], list(banned), max_logprobs)
+        return cls(None, None, True, None, None, None, [], list(banned), max_logprobs, adjust)
 
 
 def token_seed(seed: int, output_index: int) -> int:
@@ -54,7 +82,7 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """logits [R, V] float32 -> (tokens [R], chosen logprob [R], top (values, ids) [R, N])."""
         logprobs = None if batch.max_logprobs is None else torch.log_softmax(logits, dim=-1)
-        _ban(logits, batch)
+        _prepare(logits, batch)
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             tokens = greedy_tokens
@@ -65,13 +93,13 @@ class Sampler:
         return (tokens, *logprob_details(logprobs, tokens, batch.max_logprobs))
 
     def greedy(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Argmax per row after the min_tokens bans [R]."""
-        _ban(logits, batch)
+        """Argmax per row after bias, penalties and the min_tokens bans [R]."""
+        _prepare(logits, batch)
         return logits.argmax(dim=-1)
 
     def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The distribution each row samples from [R, V]: one-hot on greedy rows."""
-        _ban(logits, batch)
+        _prepare(logits, batch)
         onehot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         if batch.all_greedy:
             return onehot
@@ -97,7 +125,10 @@ def logprob_details(logprobs: torch.Tensor | None, tokens: torch.Tensor, n: int 
     return chosen, (logprobs.topk(n, dim=-1) if n else None)
 
 
-def _ban(logits: torch.Tensor, batch: SamplingBatch) -> None:
+def _prepare(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place, once per step's logits: bias and penalties, then the min_tokens bans."""
+    if batch.adjust is not None:
+        batch.adjust.apply(logits)
     for row, ids in batch.banned:
         logits[row, ids] = float("-inf")
 
