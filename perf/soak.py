@@ -1,0 +1,845 @@
+#!/usr/bin/env python3
+"""Soak: thousands of mixed requests, aborts and KV pressure against one daemon, then checks.
+
+    python perf/soak.py                           # 2,000 requests at concurrency 64 (~6 min here)
+    python perf/soak.py --requests 200 --result /tmp/soak.json
+    python perf/soak.py --server-args="--num_speculative_tokens=2 --block_size=16" \\
+        --max-cache-size 96
+
+It starts the daemon itself (`--model`, default the bundled model; `--server-args`, default
+MTP on with k = 1) with a KV cache of `--max-cache-size` blocks, small enough that running
+requests must be preempted, and sends `--requests` requests, `--concurrency` at a time.
+
+Workload (all drawn from `--seed`). Prompts are first user turns of the ShareGPT data set
+(perf/bench_serving.py's sampling: vLLM's length filters, prompts up to 1024 tokens). Each
+request picks at random: /v1/completions or /v1/chat/completions (the prompt as one user
+message), streamed (with `stream_options.include_usage`) or not, n = 1-3, max_tokens
+1..`--max-tokens` (chat: `max_tokens` or `max_completion_tokens`), temperature 0 or
+0.2-1.5, a seed or none, one or two stop strings, logprobs (completions: 0-3; chat: true
+with 0-3 top_logprobs) or none. `--abort-fraction` of them are abandoned by the client:
+half of the streamed ones after a random number of SSE events (0 = right after the
+headers), the rest by closing the connection a random 0-1.5 s after sending, mostly before
+any answer. An abandoned request that completed first is checked like any other.
+
+Checks (each is a row of the JSON's `checks`; any failure makes the exit status 1):
+- every request not abandoned answered 200 with every choice finished ("stop" or
+  "length"), no error event, and [DONE] at the end of a stream; no stop string in the
+  text; usage.prompt_tokens equal to the prompt's length under the model's tokenizer (chat:
+  the rendered chat template); total = prompt + completion. Completion tokens: with
+  logprobs, exactly the number of logprob entries (the tokens received), and a choice that
+  ended on "length" has exactly max_tokens; without, the bounds the finish reasons allow
+  (each "length" choice max_tokens, each "stop" choice 1..max_tokens);
+- `--probes` greedy requests (held-out ShareGPT prompts, both endpoints, streamed and
+  not, temperature 0, `--probe-tokens` tokens, logprobs on) return on the idle daemon
+  before the load, in each of `--probe-rounds` rounds sent while the load runs, and once
+  after it, the same text, tokens and finish reason;
+- the KV cache was too small: xllm:num_preemptions_total grew;
+- afterwards xllm:num_requests_running, xllm:num_requests_waiting and
+  xllm:kv_cache_usage_perc are back at 0 (within `--settle-timeout` s), no request ended
+  with finish reason "error", the daemon still answers /health and its log holds no
+  traceback;
+- resident memory (VmRSS of the daemon, every `--rss-interval` s): the growth from the
+  end of the warm-up (the first `--warmup-fraction` of requests finished) to the end of
+  the run, idle again, stays below `--max-rss-growth`. The peak after warm-up and the
+  least-squares slope per 1,000 requests are reported beside it.
+
+Output: a summary table, and JSON at `--result` (default perf/results/soak.json) with the
+settings, the command, the machine, counts, every failure with its reasons, the probe
+comparison, the gauges, the RSS series (summary and a thinned copy), server counters,
+preemptions and durations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from perf.bench_serving import load_tokenizer, sample_sharegpt  # noqa: E402
+from perf.mtp_sweep import flag_value, machine  # noqa: E402
+from tests.server_utils import Server  # noqa: E402
+from xllm_py.assets import bundled_model  # noqa: E402
+from xllm_py.config import CacheConfig, DeviceConfig, ModelConfig  # noqa: E402
+from xllm_py.sharegpt import held_out_user_turns  # noqa: E402
+
+STOP_POOL = (".", "\n", ",", "?", "!", ":", " the", " and", " is")
+FINISHED = ("stop", "length")
+MAX_FAILURES_KEPT = 100  # in the JSON; the count is always complete
+RSS_POINTS_KEPT = 200
+
+
+# ---- workload -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Spec:
+    """One request to send: its body, what its usage must say, and how to abandon it."""
+
+    index: int
+    chat: bool
+    body: dict[str, Any]
+    prompt_tokens: int  # the expected usage.prompt_tokens
+    abort: tuple[str, float] | None = None  # ("events", k) | ("seconds", s) | None
+
+    @property
+    def url(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
+    def n(self) -> int:
+        return self.body.get("n", 1)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.body.get("max_tokens") or self.body["max_completion_tokens"]
+
+    @property
+    def logprobs(self) -> bool:
+        lp = self.body.get("logprobs")
+        return lp is True if self.chat else lp is not None
+
+    @property
+    def stops(self) -> list[str]:
+        stop = self.body.get("stop") or []
+        return [stop] if isinstance(stop, str) else stop
+
+
+def prompt_length(tokenizer, prompt: str, chat: bool) -> int:
+    """usage.prompt_tokens the server must report: the prompt as the server tokenizes it
+    (chat: the rendered chat template, whose special tokens encode as themselves)."""
+    if chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    return len(tokenizer.encode(prompt))
+
+
+def random_body(rng: random.Random, prompt: str, chat: bool, max_tokens: int) -> dict:
+    body: dict[str, Any] = {"stream": rng.random() < 0.5}
+    limit = rng.randint(1, max_tokens)
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+        body[rng.choice(("max_tokens", "max_completion_tokens"))] = limit
+    else:
+        body["prompt"], body["max_tokens"] = prompt, limit
+    if body["stream"]:
+        body["stream_options"] = {"include_usage": True}
+    if (n := rng.randint(1, 3)) > 1:
+        body["n"] = n
+    body["temperature"] = 0.0 if rng.random() < 0.3 else round(rng.uniform(0.2, 1.5), 2)
+    if rng.random() < 0.5:
+        body["seed"] = rng.randrange(2**31)
+    if rng.random() < 0.4:
+        stops = rng.sample(STOP_POOL, rng.randint(1, 2))
+        body["stop"] = stops[0] if len(stops) == 1 and rng.random() < 0.5 else stops
+    if rng.random() < 0.5:
+        if chat:
+            body["logprobs"] = True
+            if rng.random() < 0.7:
+                body["top_logprobs"] = rng.randint(0, 3)
+        else:
+            body["logprobs"] = rng.randint(0, 3)
+    return body
+
+
+def random_abort(rng: random.Random, body: dict) -> tuple[str, float]:
+    limit = body.get("max_tokens") or body["max_completion_tokens"]
+    if body["stream"] and rng.random() < 0.5:
+        return ("events", rng.randint(0, max(1, limit // 2)))
+    return ("seconds", round(rng.uniform(0.0, 1.5), 3))
+
+
+def build_workload(args, tokenizer) -> list[Spec]:
+    rng = random.Random(args.seed)
+    samples = sample_sharegpt(tokenizer, args.requests, args.seed)
+    specs = []
+    for i, s in enumerate(samples):
+        chat = rng.random() < 0.5
+        body = random_body(rng, s.prompt, chat, args.max_tokens)
+        abort = random_abort(rng, body) if rng.random() < args.abort_fraction else None
+        specs.append(Spec(i, chat, body, prompt_length(tokenizer, s.prompt, chat), abort))
+    return specs
+
+
+def build_probes(args, tokenizer) -> list[Spec]:
+    """Greedy requests on held-out prompts whose answers must not change under load."""
+    probes = []
+    for i, prompt in enumerate(held_out_user_turns(args.probes, 40, 400)):
+        chat, stream = bool(i % 2), bool(i // 2 % 2)
+        body: dict[str, Any] = {"max_tokens": args.probe_tokens, "temperature": 0.0}
+        if chat:
+            body |= {"messages": [{"role": "user", "content": prompt}], "logprobs": True}
+        else:
+            body |= {"prompt": prompt, "logprobs": 1}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        probes.append(Spec(-1 - i, chat, body, prompt_length(tokenizer, prompt, chat)))
+    return probes
+
+
+# ---- one request --------------------------------------------------------------------------------
+
+
+@dataclass
+class Choice:
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    tokens: list[str] | None = None  # from the logprobs, when they were asked for
+    after_finish: int = 0  # chunks with output that came after this choice's finish
+
+
+@dataclass
+class Outcome:
+    """What the client saw of one request."""
+
+    status: str = "pending"  # ok | aborted | failed
+    http_status: int | None = None
+    choices: dict[int, Choice] = field(default_factory=dict)
+    usage: dict | None = None
+    errors: list[str] = field(default_factory=list)
+    events: int = 0  # SSE data events read
+    complete: bool = False  # the whole answer arrived ([DONE], or the JSON body)
+    aborted_at: str | None = None
+    seconds: float = 0.0
+
+
+def _logprob_tokens(chat: bool, lp: dict | None) -> list[str]:
+    if not lp:
+        return []
+    return [e["token"] for e in lp["content"]] if chat else list(lp["tokens"])
+
+
+def absorb_choice(spec: Spec, out: Outcome, ch: dict, streamed: bool) -> None:
+    """Fold one choice (a streamed delta or a whole answer's choice) into `out`."""
+    c = out.choices.setdefault(ch["index"], Choice(tokens=[] if spec.logprobs else None))
+    if spec.chat:
+        text = ((ch.get("delta") or {}) if streamed else ch["message"]).get("content") or ""
+    else:
+        text = ch.get("text") or ""
+    tokens = _logprob_tokens(spec.chat, ch.get("logprobs"))
+    if c.finish_reason is not None and (text or tokens):
+        c.after_finish += 1
+    c.text += text
+    if c.tokens is not None:
+        c.tokens += tokens
+    if ch.get("finish_reason") is not None:
+        if c.finish_reason is not None:
+            out.errors.append(f"choice {ch['index']}: a second finish_reason")
+        c.finish_reason, c.stop_reason = ch["finish_reason"], ch.get("stop_reason")
+
+
+def absorb_event(spec: Spec, out: Outcome, data: str) -> None:
+    if data == "[DONE]":
+        out.complete = True
+        return
+    msg = json.loads(data)
+    if "error" in msg:
+        out.errors.append(f"SSE error event: {msg['error'].get('message')}")
+        return
+    for ch in msg.get("choices") or []:
+        absorb_choice(spec, out, ch, streamed=True)
+    if msg.get("usage"):
+        out.usage = msg["usage"]
+
+
+async def _read_stream(client: httpx.AsyncClient, spec: Spec, out: Outcome) -> None:
+    stop_after = spec.abort[1] if spec.abort and spec.abort[0] == "events" else None
+    async with client.stream("POST", spec.url, json=spec.body) as resp:
+        out.http_status = resp.status_code
+        if resp.status_code != 200:
+            out.errors.append(f"HTTP {resp.status_code}: {(await resp.aread())[:500]!r}")
+            return
+        async for line in resp.aiter_lines():
+            if stop_after is not None and out.events >= stop_after and not out.complete:
+                out.aborted_at = f"after {out.events} events"
+                return  # leaving the block closes the connection mid-stream
+            if line.startswith("data: "):
+                out.events += 1
+                absorb_event(spec, out, line[6:])
+
+
+async def _read_whole(client: httpx.AsyncClient, spec: Spec, out: Outcome) -> None:
+    resp = await client.post(spec.url, json=spec.body)
+    out.http_status = resp.status_code
+    if resp.status_code != 200:
+        out.errors.append(f"HTTP {resp.status_code}: {resp.text[:500]}")
+        return
+    answer = resp.json()
+    for ch in answer["choices"]:
+        absorb_choice(spec, out, ch, streamed=False)
+    out.usage = answer.get("usage")
+    out.complete = True
+
+
+async def send(client: httpx.AsyncClient, spec: Spec) -> Outcome:
+    """Send one request, abandon it as its spec says, and classify what came back."""
+    out, t0 = Outcome(), time.perf_counter()
+    read = _read_stream if spec.stream else _read_whole
+    try:
+        if spec.abort and spec.abort[0] == "seconds":
+            await asyncio.wait_for(read(client, spec, out), spec.abort[1])
+        else:
+            await read(client, spec, out)
+    except TimeoutError:  # wait_for's: the connection is closed on the way out
+        if not out.complete:
+            out.aborted_at = f"after {spec.abort[1]:.2f} s"
+    except Exception as e:  # noqa: BLE001 - any failure is this request's result
+        out.errors.append(f"{type(e).__name__}: {e}")
+    out.seconds = time.perf_counter() - t0
+    if out.aborted_at and not out.complete:
+        out.status = "aborted"
+    else:
+        out.errors += check_answer(spec, out)
+        out.status = "failed" if out.errors else "ok"
+    return out
+
+
+# ---- checks of one answer -----------------------------------------------------------------------
+
+
+def check_choice(spec: Spec, i: int, c: Choice) -> list[str]:
+    bad = []
+    if c.finish_reason not in FINISHED:
+        bad.append(f"choice {i}: finish_reason {c.finish_reason!r}")
+    if c.after_finish:
+        bad.append(f"choice {i}: {c.after_finish} chunks with output after its finish")
+    if hit := [s for s in spec.stops if s in c.text]:
+        bad.append(f"choice {i}: stop string {hit[0]!r} left in the text")
+    if c.tokens is not None:
+        k = len(c.tokens)
+        if not 1 <= k <= spec.max_tokens:
+            bad.append(f"choice {i}: {k} tokens received, max_tokens {spec.max_tokens}")
+        elif c.finish_reason == "length" and k != spec.max_tokens:
+            bad.append(f"choice {i}: finish 'length' after {k} of {spec.max_tokens} tokens")
+    return bad
+
+
+def check_usage(spec: Spec, out: Outcome) -> list[str]:
+    u = out.usage
+    if not u:
+        return ["no usage in the answer"]
+    bad = []
+    if u["prompt_tokens"] != spec.prompt_tokens:
+        bad.append(f"usage.prompt_tokens {u['prompt_tokens']} != {spec.prompt_tokens}")
+    if u["total_tokens"] != u["prompt_tokens"] + u["completion_tokens"]:
+        bad.append(f"usage.total_tokens {u['total_tokens']} != prompt + completion")
+    got, choices = u["completion_tokens"], list(out.choices.values())
+    if spec.logprobs:
+        received = sum(len(c.tokens or []) for c in choices)
+        if got != received:
+            bad.append(f"usage.completion_tokens {got} != {received} tokens received")
+        return bad
+    full = sum(c.finish_reason == "length" for c in choices) * spec.max_tokens
+    rest = len(choices) - sum(c.finish_reason == "length" for c in choices)
+    if not full + rest <= got <= full + rest * spec.max_tokens:
+        bad.append(
+            f"usage.completion_tokens {got} outside [{full + rest}, "
+            f"{full + rest * spec.max_tokens}] (finish reasons, max_tokens {spec.max_tokens})"
+        )
+    return bad
+
+
+def check_answer(spec: Spec, out: Outcome) -> list[str]:
+    """Why this complete (not abandoned) answer is wrong; [] when it is right."""
+    if out.errors or out.http_status != 200:
+        return [] if out.errors else [f"HTTP {out.http_status}"]
+    bad = [] if out.complete else ["stream ended without data: [DONE]"]
+    if sorted(out.choices) != list(range(spec.n)):
+        bad.append(f"choice indexes {sorted(out.choices)}, expected 0..{spec.n - 1}")
+    for i, c in sorted(out.choices.items()):
+        bad += check_choice(spec, i, c)
+    return bad + check_usage(spec, out)
+
+
+# ---- probes -------------------------------------------------------------------------------------
+
+
+def probe_answer(out: Outcome) -> dict:
+    """What must not change between runs of a greedy probe."""
+    if out.status != "ok":
+        return {"error": "; ".join(out.errors) or out.status}
+    return {
+        "choices": [[c.text, c.tokens, c.finish_reason] for _, c in sorted(out.choices.items())],
+        "usage": out.usage,
+    }
+
+
+async def probe_round(client: httpx.AsyncClient, probes: list[Spec], load: Progress) -> dict:
+    in_flight = load.started - load.finished
+    outs = await asyncio.gather(*(send(client, p) for p in probes))
+    return {"in_flight_at_start": in_flight, "answers": [probe_answer(o) for o in outs]}
+
+
+def compare_probes(idle: list[dict], rounds: list[dict]) -> dict:
+    """Each round's answers against the idle daemon's, probe by probe."""
+    diffs = []
+    for r, rnd in enumerate(rounds):
+        for p, (want, got) in enumerate(zip(idle, rnd["answers"])):
+            if got != want:
+                diffs.append({"round": r, "probe": p, "idle": want, "got": got})
+    total = len(rounds) * len(idle)
+    idle_ok = all("error" not in a for a in idle)
+    return {"compared": total, "equal": total - len(diffs), "idle_ok": idle_ok, "diffs": diffs}
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    started: int = 0
+    finished: int = 0
+    counts: Counter = field(default_factory=Counter)
+
+
+class RssSampler(threading.Thread):
+    """VmRSS of one process every `interval` s, with the load's progress at that moment."""
+
+    def __init__(self, pid: int, interval: float, progress: Progress) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.interval, self.progress = pid, interval, progress
+        self.samples: list[tuple[float, int, int]] = []  # (seconds, KiB, requests finished)
+        self.t0 = time.monotonic()
+        self._halt = threading.Event()
+
+    def sample(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                kib = int(line.split()[1])
+                self.samples.append((time.monotonic() - self.t0, kib, self.progress.finished))
+                return kib
+        raise RuntimeError(f"no VmRSS for pid {self.pid}")
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval):
+            try:
+                self.sample()
+            except (OSError, RuntimeError):
+                return  # the daemon is gone; the checks will say so
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+        self.sample()
+
+
+def rss_summary(samples: list[tuple[float, int, int]], warm_requests: int) -> dict:
+    """Growth from the first sample at or after `warm_requests` finished to the last one."""
+    mib = [(t, kib / 1024, done) for t, kib, done in samples]
+    warm = next((s for s in mib if s[2] >= warm_requests), mib[-1])
+    half = next((s for s in mib if s[2] >= (warm_requests + mib[-1][2]) / 2), mib[-1])
+    after = [s for s in mib if s[0] >= warm[0]]
+    end, peak = mib[-1][1], max(s[1] for s in after)
+    return {
+        "samples": len(mib),
+        "start_mib": mib[0][1],
+        "warm_mib": warm[1],
+        "warm_at_requests": warm[2],
+        "peak_after_warm_mib": peak,
+        "end_mib": end,
+        "growth_after_warmup": (end - warm[1]) / warm[1],
+        "peak_growth_after_warmup": (peak - warm[1]) / warm[1],
+        # a leak grows in both halves of the run after warm-up; a high-water mark flattens
+        "growth_second_half": (end - half[1]) / half[1],
+        "slope_mib_per_1000_requests": _slope([(s[2], s[1]) for s in after]) * 1000,
+        "series": [[round(t, 1), round(m, 1), d] for t, m, d in _thin(mib, RSS_POINTS_KEPT)],
+    }
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    n = len(points)
+    mx, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
+    var = sum((p[0] - mx) ** 2 for p in points)
+    return sum((p[0] - mx) * (p[1] - my) for p in points) / var if var else 0.0
+
+
+def _thin(items: list, most: int) -> list:
+    step = max(1, -(-len(items) // most))
+    return items[::step] + ([items[-1]] if (len(items) - 1) % step else [])
+
+
+def _progress_bar(total: int, disable: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a plain counter line instead
+        return _Counter(total, disable)
+    return tqdm(total=total, disable=disable, desc="soak", unit="req")
+
+
+class _Counter:
+    def __init__(self, total: int, disable: bool) -> None:
+        self.total, self.n, self.disable = total, 0, disable
+
+    def update(self, k: int) -> None:
+        self.n += k
+        if not self.disable:
+            print(f"\rsoak: {self.n}/{self.total}", end="", flush=True)
+
+    def set_postfix(self, **kw) -> None:
+        pass
+
+    def close(self) -> None:
+        if not self.disable:
+            print()
+
+
+async def run_load(client, specs: list[Spec], probes: list[Spec], args, pid: int) -> dict:
+    """The requests at --concurrency, probe rounds spread over the run, and the RSS of the
+    daemon (process `pid`) sampled alongside."""
+    progress, limit = Progress(), asyncio.Semaphore(args.concurrency)
+    bar = _progress_bar(len(specs), args.no_progress)
+    outcomes: list[Outcome | None] = [None] * len(specs)
+
+    async def one(spec: Spec) -> None:
+        async with limit:
+            progress.started += 1
+            outcomes[spec.index] = out = await send(client, spec)
+        progress.finished += 1
+        progress.counts[out.status] += 1
+        bar.update(1)
+        bar.set_postfix(**progress.counts)
+
+    async def rounds() -> list[dict]:
+        """Round r starts once r / (rounds + 1) of the load has finished, whether or not the
+        round before it is done (probes wait in the same queue as the load)."""
+        started = []
+        for r in range(1, args.probe_rounds + 1):
+            while progress.finished < r * len(specs) // (args.probe_rounds + 1):
+                await asyncio.sleep(0.1)
+            started.append(asyncio.create_task(probe_round(client, probes, progress)))
+        return list(await asyncio.gather(*started))
+
+    rss = RssSampler(pid, args.rss_interval, progress)
+    rss.start()
+    t0 = time.perf_counter()
+    probe_task = asyncio.create_task(rounds())
+    await asyncio.gather(*(one(s) for s in specs))
+    load_s = time.perf_counter() - t0
+    probe_rounds = await probe_task
+    bar.close()
+    return {"outcomes": outcomes, "rounds": probe_rounds, "load_s": load_s, "rss": rss}
+
+
+# ---- the daemon ---------------------------------------------------------------------------------
+
+
+def cache_flag(blocks: int, model: str, flags: list[str]) -> list[str]:
+    """--max_cache_size (bytes) for `blocks` KV blocks of the daemon these flags start: a block
+    holds block_size tokens of every cache layer (the target's, plus the MTP layers when
+    speculation is on), kv_lora_rank + qk_rope_head_dim numbers each, in the run dtype."""
+    if not blocks:
+        return []
+    cfg = ModelConfig.from_pretrained(model)
+    spec_on = int(flag_value(flags, "num_speculative_tokens") or 0) > 0
+    layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if spec_on else 0)
+    block = int(flag_value(flags, "block_size") or CacheConfig().block_size)
+    device = DeviceConfig(
+        device=flag_value(flags, "devices") or "cpu", dtype=flag_value(flags, "dtype") or "auto"
+    )
+    elem = device.torch_dtype().itemsize
+    return [f"--max_cache_size={blocks * layers * block * cfg.kv_cache_dim * elem}"]
+
+
+def kv_blocks_from_log(log: str) -> int | None:
+    for line in log.splitlines():
+        if "KV cache: " in line and " blocks x " in line:
+            return int(line.split("KV cache: ")[1].split()[0])
+    return None
+
+
+def log_tracebacks(log: str) -> dict:
+    """Tracebacks in the daemon's log; those of a client that hung up while its request body
+    was read (starlette's ClientDisconnect: logged at ERROR twice, by the server's 500
+    handler and by uvicorn) apart, as the abandoned requests cause them by design."""
+    total = log.count("Traceback (most recent call last)")
+    disconnects = sum(line == "starlette.requests.ClientDisconnect" for line in log.splitlines())
+    return {"tracebacks": total, "client_disconnect": disconnects, "other": total - disconnects}
+
+
+def counters(server: Server) -> dict[str, float]:
+    out = {"preemptions": server.metric("xllm:num_preemptions_total")}
+    for reason in ("stop", "length", "abort", "error"):
+        out[f"finished_{reason}"] = server.metric(
+            "xllm:request_success_total", finished_reason=reason
+        )
+    out["generation_tokens"] = server.metric("xllm:generation_tokens_total")
+    return out
+
+
+def settle(server: Server, timeout: float) -> dict:
+    """Poll the gauges until nothing runs, waits or holds a KV block, or `timeout` passes."""
+    t0 = time.monotonic()
+    while True:
+        g = {
+            "running": server.metric("xllm:num_requests_running"),
+            "waiting": server.metric("xllm:num_requests_waiting"),
+            "kv_cache_usage": server.metric("xllm:kv_cache_usage_perc"),
+        }
+        waited = time.monotonic() - t0
+        if not any(g.values()) or waited > timeout:
+            return g | {"settled_after_s": round(waited, 2)}
+        time.sleep(0.25)
+
+
+# ---- summary ------------------------------------------------------------------------------------
+
+
+def failures(specs: list[Spec], outcomes: list[Outcome]) -> list[dict]:
+    return [
+        {
+            "index": s.index,
+            "endpoint": s.url,
+            "body": {k: v for k, v in s.body.items() if k not in ("prompt", "messages")},
+            "abort": s.abort,
+            "reasons": o.errors,
+        }
+        for s, o in zip(specs, outcomes)
+        if o.status == "failed"
+    ]
+
+
+def request_counts(specs: list[Spec], outcomes: list[Outcome]) -> dict:
+    by = Counter(o.status for o in outcomes)
+    planned = sum(s.abort is not None for s in specs)
+    return {
+        "requests": len(specs),
+        "ok": by["ok"],
+        "aborted": by["aborted"],
+        "failed": by["failed"],
+        "abort_planned": planned,
+        "abort_too_late": planned - by["aborted"],  # answered in full first: checked as ok
+        "choices_checked": sum(len(o.choices) for o in outcomes if o.status != "aborted"),
+        "streamed": sum(s.stream for s in specs),
+        "chat": sum(s.chat for s in specs),
+        "with_logprobs": sum(s.logprobs for s in specs),
+        "with_stop": sum(bool(s.stops) for s in specs),
+    }
+
+
+def checks(r: dict, args) -> list[dict]:
+    c, p, g, rss, srv = r["counts"], r["probes"], r["gauges"], r["rss"], r["server"]
+    rows = [
+        ("requests", c["failed"] == 0,
+         f"{c['ok']} ok, {c['aborted']} aborted, {c['failed']} failed"),
+        ("aborts happened", c["aborted"] > 0 or not args.abort_fraction, f"{c['aborted']} aborted"),
+        ("probes", p["idle_ok"] and p["equal"] == p["compared"] > 0,
+         f"{p['equal']}/{p['compared']} equal to the idle answers"),
+        ("preemption", r["preemptions"] > 0, f"{r['preemptions']:.0f} preemptions"),
+        ("gauges at 0", not any(g[k] for k in ("running", "waiting", "kv_cache_usage")),
+         f"running {g['running']:.0f}, waiting {g['waiting']:.0f}, KV {g['kv_cache_usage']:.3f}"),
+        ("no error finishes", srv["finished_error"] == 0,
+         f"{srv['finished_error']:.0f} requests finished with 'error'"),
+        ("daemon alive", r["healthy"], "GET /health after the run"),
+        ("log without tracebacks", r["log"]["other"] == 0,
+         f"{r['log']['other']} tracebacks, besides {r['log']['client_disconnect']} of "
+         "clients gone while their body was read"),
+        ("RSS growth", rss["growth_after_warmup"] < args.max_rss_growth,
+         f"{100 * rss['growth_after_warmup']:+.1f}% after warm-up "
+         f"(limit {100 * args.max_rss_growth:.0f}%)"),
+    ]  # fmt: skip
+    return [{"check": name, "ok": bool(ok), "detail": detail} for name, ok, detail in rows]
+
+
+def print_summary(r: dict) -> None:
+    c, rss = r["counts"], r["rss"]
+
+    def row(label: str, value) -> None:
+        print(f"{label:<44} {value}")
+
+    print("{:=^72}".format(" Soak result "))
+    row("Requests (concurrency):", f"{c['requests']} ({r['settings']['concurrency']})")
+    row("OK / aborted / failed:", f"{c['ok']} / {c['aborted']} / {c['failed']}")
+    row("Aborts planned / answered first:", f"{c['abort_planned']} / {c['abort_too_late']}")
+    row("Choices checked:", c["choices_checked"])
+    row("Preemptions:", f"{r['preemptions']:.0f} (KV cache {r['kv_blocks']} blocks)")
+    row("Probes equal to idle:", f"{r['probes']['equal']}/{r['probes']['compared']}")
+    g = r["gauges"]
+    row("Gauges after (running/waiting/KV):", f"{g['running']:.0f} / {g['waiting']:.0f} / "
+        f"{g['kv_cache_usage']:.3f}")  # fmt: skip
+    row("RSS MiB start / warm / peak / end:", f"{rss['start_mib']:.0f} / {rss['warm_mib']:.0f} / "
+        f"{rss['peak_after_warm_mib']:.0f} / {rss['end_mib']:.0f}")  # fmt: skip
+    row("RSS growth after warm-up (peak; 2nd half):", f"{100 * rss['growth_after_warmup']:+.1f}% "
+        f"({100 * rss['peak_growth_after_warmup']:+.1f}%; "
+        f"{100 * rss['growth_second_half']:+.1f}%)")  # fmt: skip
+    row("Duration load / total (s):", f"{r['load_s']:.0f} / {r['duration_s']:.0f}")
+    print("-" * 72)
+    for ch in r["checks"]:
+        print(f"{'PASS' if ch['ok'] else 'FAIL'}  {ch['check']:<24} {ch['detail']}")
+    for f in r["failures"][:10]:
+        print(f"  failed #{f['index']} {f['endpoint']}: {'; '.join(f['reasons'])[:300]}")
+    print("=" * 72)
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every flag's default after its help."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    add = p.add_argument
+    add("--requests", type=int, default=2000, help="requests in the load")
+    add("--concurrency", type=int, default=64, help="requests in flight at once")
+    add(
+        "--abort-fraction",
+        type=float,
+        default=0.1,
+        help="fraction of the requests the client abandons",
+    )
+    add("--seed", type=int, default=0, help="seed of the prompts and every random choice")
+    add(
+        "--max-tokens",
+        type=int,
+        default=48,
+        help="max_tokens of each request is drawn from 1..this (probes: --probe-tokens)",
+    )
+    add(
+        "--max-cache-size",
+        type=int,
+        default=12,
+        help="KV cache in blocks (of --block_size tokens, default 128), converted to the "
+        "daemon's --max_cache_size in bytes; small enough to force preemption. 0 = the "
+        "daemon's own sizing. 12 blocks of 128 hold 1536 tokens: the longest request (1024 "
+        "prompt + 48 tokens) fits, 64 running requests do not",
+    )
+    add(
+        "--server-args",
+        default="--num_speculative_tokens=1",
+        help="flags for the daemon, one quoted string (the default turns MTP on, k = 1)",
+    )
+    add("--model", default=None, help="checkpoint directory; None: the bundled model")
+    add("--probes", type=int, default=8, help="greedy probe requests")
+    add(
+        "--probe-rounds",
+        type=int,
+        default=4,
+        help="times the probes are sent during the load, evenly spread",
+    )
+    add("--probe-tokens", type=int, default=32, help="max_tokens of a probe")
+    add(
+        "--warmup-fraction",
+        type=float,
+        default=0.2,
+        help="RSS growth is measured from when this fraction of requests finished",
+    )
+    add(
+        "--max-rss-growth",
+        type=float,
+        default=0.10,
+        help="largest RSS growth after warm-up that passes",
+    )
+    add("--rss-interval", type=float, default=0.5, help="seconds between RSS samples")
+    add(
+        "--settle-timeout",
+        type=float,
+        default=60.0,
+        help="seconds the gauges may take to return to 0 after the load",
+    )
+    add("--request-timeout", type=float, default=600.0, help="client timeout per request (s)")
+    add("--startup-timeout", type=float, default=600.0, help="seconds the daemon may take to start")
+    add(
+        "--result",
+        type=Path,
+        default=ROOT / "perf/results/soak.json",
+        help="JSON result file",
+    )
+    add("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+async def _client_phase(server: Server, specs, probes, args) -> dict:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.request_timeout, connect=60.0)
+    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=timeout) as client:
+        idle = [probe_answer(await send(client, p)) for p in probes]
+        load = await run_load(client, specs, probes, args, server.proc.pid)
+        after = [probe_answer(await send(client, p)) for p in probes]
+    load["rounds"].append({"in_flight_at_start": 0, "answers": after, "after_load": True})
+    return load | {"idle": idle}
+
+
+def soak(args, specs: list[Spec], probes: list[Spec], flags: list[str]) -> dict:
+    server = Server(*flags, startup_timeout=args.startup_timeout)
+    try:
+        before = counters(server)
+        phase = asyncio.run(_client_phase(server, specs, probes, args))
+        gauges = settle(server, args.settle_timeout)
+        phase["rss"].stop()
+        after = counters(server)
+        healthy = httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        code = server.stop()
+    log = Path(server.log.name).read_text()  # stop() closed the file: output() cannot
+    return {
+        **phase,
+        "gauges": gauges,
+        "server": {k: after[k] - before[k] for k in after},
+        "healthy": healthy,
+        "exit_code": code,
+        "log": log,
+        "log_path": server.log.name,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    t0 = time.perf_counter()
+    model = args.model or str(bundled_model())
+    flags = shlex.split(args.server_args) + (["--model", args.model] if args.model else [])
+    flags += cache_flag(args.max_cache_size, model, flags)
+    tokenizer = load_tokenizer(model)
+    specs, probes = build_workload(args, tokenizer), build_probes(args, tokenizer)
+    run = soak(args, specs, probes, flags)
+    outcomes = run["outcomes"]
+    result = {
+        "command": shlex.join(["python", "perf/soak.py", *given]),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "daemon_flags": flags,
+        "machine": machine(),
+        "kv_blocks": kv_blocks_from_log(run["log"]),
+        "counts": request_counts(specs, outcomes),
+        "failures": failures(specs, outcomes)[:MAX_FAILURES_KEPT],
+        "probes": compare_probes(run["idle"], run["rounds"])
+        | {"rounds": [{k: v for k, v in r.items() if k != "answers"} for r in run["rounds"]]},
+        "gauges": run["gauges"],
+        "preemptions": run["server"]["preemptions"],
+        "server": run["server"],
+        "healthy": run["healthy"],
+        "daemon_exit_code": run["exit_code"],
+        "daemon_log": run["log_path"],
+        "log": log_tracebacks(run["log"]),
+        "rss": rss_summary(run["rss"].samples, int(args.warmup_fraction * len(specs))),
+        "load_s": run["load_s"],
+    }
+    result["duration_s"] = time.perf_counter() - t0
+    result["checks"] = checks(result, args)
+    result["passed"] = all(c["ok"] for c in result["checks"])
+    args.result.parent.mkdir(parents=True, exist_ok=True)
+    args.result.write_text(json.dumps(result, indent=1) + "\n")
+    print_summary(result)
+    print(f"Wrote {args.result}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["passed"] else 1)
