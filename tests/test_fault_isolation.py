@@ -95,3 +95,23 @@ def test_a_fault_in_the_shared_step_fails_every_request_and_exits_1():
         assert s.proc.returncode == 1
     finally:
         s.stop()
+
+
+def test_a_client_gone_before_its_body_arrived_is_not_a_server_error(server):
+    """Found by perf/soak.py: a disconnect while the body was still being read was logged
+    as a failed request (two tracebacks); it is a normal disconnect."""
+    import socket
+    import time
+
+    body = b'{"prompt": "Hello", "max_tokens": 4}'
+    before = server.output().count("Traceback")
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port)) as c:
+            c.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % (len(body) + 10) + body  # 10 bytes short
+            )
+            time.sleep(0.2)
+    time.sleep(1)
+    assert server.output().count("Traceback") == before
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200

@@ -33,6 +33,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from xllm_py import __version__
 from xllm_py.entrypoints.async_engine import (
@@ -546,6 +547,10 @@ def build_app(engine: AsyncEngine, opts: ServerOptions, metrics: ServerMetrics) 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, e: ClientDisconnect):
+        return Response(status_code=499)  # the client left before its body arrived: no one to tell
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception):
