@@ -25,7 +25,7 @@ from tests.server_utils import Server
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "xllm_py" / "assets" / "tiny-deepseek-v3-mtp"
 GUIDELLM = Path(sys.executable).parent / "guidellm"
-REQUESTS = 8  # per concurrency level
+REQUESTS = 4  # per concurrency level
 TOKENS = 32
 
 
