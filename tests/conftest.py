@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from tests.hf_reference import TINY_CONFIGS, make_hf_checkpoint
 
 ENGINE_CONFIG = "noq_yarn_mscale_grouped"  # YaRN, grouped routing, one dense layer
 
-torch.set_num_threads(2)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 _TEXT = (
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens and "

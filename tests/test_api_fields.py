@@ -1,7 +1,8 @@
 """The request-field policy, walked row by row from docs/api_fields.md against a live
 daemon (MTP on): honoured, ignored and unknown fields answer 200, refused ones a 400 that
 names the field; an unknown field is logged once per name. Also continuous usage stats,
-truncate_prompt_tokens, /tokenize, /detokenize and /version in vLLM's shapes."""
+truncate_prompt_tokens, echo, prompt_logprobs, max_tokens 0, /tokenize, /detokenize and
+/version in vLLM's shapes."""
 
 from __future__ import annotations
 
@@ -151,3 +152,77 @@ def test_tokenize_detokenize_and_version(server):
     from xllm_py import __version__
 
     assert httpx.get(server.url + "/version", timeout=10).json() == {"version": __version__}
+
+
+def post(server, path: str, **body) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_before_the_output(server):
+    prompt = "The quick brown fox jumps"
+    ids = post(server, "/tokenize", prompt=prompt).json()["tokens"]
+    plain = post(server, "/v1/completions", prompt=prompt, max_tokens=4, temperature=0, logprobs=2)
+    echo = post(
+        server, "/v1/completions", prompt=prompt, max_tokens=4, temperature=0, logprobs=2,
+        echo=True, prompt_logprobs=3,
+    )  # fmt: skip
+    p, e = plain.json()["choices"][0], echo.json()["choices"][0]
+    assert e["text"] == prompt + p["text"]
+    lp = e["logprobs"]
+    n = len(ids)
+    assert len(lp["tokens"]) == n + 4 and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and lp["tokens"][n:] == p["logprobs"]["tokens"]
+    assert lp["token_logprobs"][n:] == pytest.approx(p["logprobs"]["token_logprobs"], abs=1e-5)
+    scored = e["prompt_logprobs"]  # vLLM's shape: token id -> {logprob, rank, decoded_token}
+    assert len(scored) == n and scored[0] is None
+    for pos in range(1, n):
+        own = scored[pos][str(ids[pos])]
+        assert own["logprob"] == lp["token_logprobs"][pos]
+        assert own["decoded_token"] == lp["tokens"][pos]
+        assert {d["rank"] for t, d in scored[pos].items() if t != str(ids[pos])} <= {1, 2, 3}
+        assert len(lp["top_logprobs"][pos]) in (2, 3)  # the prompt's token and the top 2
+    assert lp["text_offset"][n] == len("".join(lp["tokens"][:n]))
+    # streamed: the prompt (and its logprobs) come in the first chunk
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2,
+              "echo": True, "stream": True},
+        timeout=60,
+    )  # fmt: skip
+    chunks = [
+        json.loads(line[6:])["choices"][0]
+        for line in r.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert chunks[0]["text"].startswith(prompt)
+    assert "".join(c["text"] for c in chunks) == e["text"]
+    streamed = [x for c in chunks if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
+
+
+def test_max_tokens_zero_scores_a_prompt_of_the_whole_context(server):
+    full = [(5 * i) % 300 + 2 for i in range(256)]  # --max_model_len=256
+    r = post(server, "/v1/completions", prompt=full, max_tokens=0, echo=True, logprobs=0)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"] == {"prompt_tokens": 256, "completion_tokens": 0, "total_tokens": 256}
+    assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == 256
+    assert body["choices"][0]["finish_reason"] == "length"
+    bad = {
+        "prompt": post(server, "/v1/completions", prompt=full + [7], max_tokens=0, echo=True),
+        "prompt_logprobs": post(server, "/v1/completions", prompt="Hi", prompt_logprobs=21),
+        "max_tokens": post(server, "/v1/completions", prompt="Hi", max_tokens=0),
+    }
+    for param, r in bad.items():
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    stream = post(server, "/v1/completions", prompt="Hi", prompt_logprobs=1, stream=True)
+    assert stream.status_code == 400 and "stream" in stream.json()["error"]["message"]
+
+
+def test_chat_prompt_logprobs_cover_the_rendered_prompt(server):
+    chat = post(server, "/v1/chat/completions", messages=HI, max_tokens=2, prompt_logprobs=0)
+    ids = post(server, "/tokenize", messages=HI).json()["tokens"]
+    scored = chat.json()["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    assert [next(iter(e)) for e in scored[1:]] == [str(t) for t in ids[1:]]

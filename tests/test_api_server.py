@@ -237,7 +237,15 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": P, "logit_bias": {"a": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": P, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": P, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
-    ("/v1/completions", {"prompt": P, "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": P, "echo": True, "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": P, "max_tokens": 0}, 400, "max_tokens"),  # without echo
+    ("/v1/completions", {"prompt": P, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    (
+        "/v1/completions",
+        {"prompt": [1] * (MAX_LEN + 1), "max_tokens": 0, "echo": True},
+        400,
+        "prompt",
+    ),
     ("/v1/completions", {"prompt": P, "stream_options": {"include_usage": True}}, 400, "stream"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1] * MAX_LEN}, 400, "prompt"),

@@ -35,6 +35,7 @@ from xllm_py.executor.messages import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 from xllm_py.sharegpt import held_out_user_turns
@@ -75,6 +76,8 @@ def test_sampling_params_round_trip():
             skip_special_tokens=False,
         ),
         SamplingParams(temperature=0, seed=0, logprobs=None),
+        SamplingParams(max_tokens=0, prompt_logprobs=0),  # 0s are values, not "unset"
+        SamplingParams(prompt_logprobs=5),
     ):
         assert sampling_from_pb(sampling_to_pb(sp)) == sp
 
@@ -104,9 +107,12 @@ def test_model_runner_output_round_trip():
         # the chosen token first, then the top N (its order is meaningful)
         logprobs=[[{40: -0.25, 3: -1.5}, {12: -2.0, 40: -0.1}], None, [{7: -float("inf")}]],
         draft_token_ids=[[41], [], [8]],
+        # a prompt chunk scored from position 3: each token's logprob, then the top N
+        prompt_logprobs=[None, PromptLogprobs(3, [{5: -1.0, 9: -0.5}, {6: -3.0}], [2, 70]), None],
     )
     back = output_from_pb(pb.ExecuteStepReply.FromString(output_to_pb(out).SerializeToString()))
     assert back == out
+    assert list(back.prompt_logprobs[1].logprobs[0]) == [5, 9]
     assert [list(d) for d in back.logprobs[0]] == [[40, 3], [12, 40]]
     plain = ModelRunnerOutput(["a"], [[1]], [None])  # speculation off: no drafts at all
     assert output_from_pb(output_to_pb(plain)) == plain

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from xllm_py.config import (
 )
 from xllm_py.models.layers.rope import inverse_frequencies
 
-torch.set_num_threads(2)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 # The released DeepSeek-V3 config.json, with the HF bookkeeping fields users will pass too.
 DEEPSEEK_V3 = DEEPSEEK_V3_CONFIG | {

@@ -41,7 +41,8 @@ def test_bad_prompts_raise_naming_the_field(llm, field, prompt, params):
 @pytest.mark.parametrize(
     "field, kwargs",
     [
-        ("max_tokens", {"max_tokens": 0}),
+        ("max_tokens", {"max_tokens": -1}),
+        ("prompt_logprobs", {"prompt_logprobs": -1}),
         ("temperature", {"temperature": -0.5}),
         ("top_p", {"top_p": 0.0}),
         ("top_p", {"top_p": 1.5}),

@@ -5,13 +5,14 @@ distribution itself, and logprobs taken from the raw logits."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
 from xllm_py.worker.sampler import Sampler, SamplingBatch, _filter_top_k_top_p, token_seed
 
-torch.set_num_threads(2)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 NEG_INF = float("-inf")
 

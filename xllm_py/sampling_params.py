@@ -10,7 +10,7 @@ GREEDY_EPS = 1e-5  # temperatures below this sample greedily
 @dataclass
 class SamplingParams:
     n: int = 1
-    max_tokens: int | None = 16  # None: up to the model's context
+    max_tokens: int | None = 16  # None: up to the model's context; 0: score the prompt only
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -21,6 +21,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's and the top N
+    # None: none; N: for every prompt token after the first, its logprob given the tokens
+    # before it, and the top N there (vLLM's prompt_logprobs)
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM's meanings: presence and frequency penalise tokens of the output so far (by
@@ -44,7 +47,7 @@ class SamplingParams:
     def _validate(self) -> None:
         checks = [
             (self.n == 1, "n", "only n=1 is supported"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens", "must be >= 0"),
             (0 <= self.min_tokens < 2**31, "min_tokens", "must be in [0, 2^31)"),
             (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -61,6 +64,11 @@ class SamplingParams:
             ),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0"),
+            (
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "prompt_logprobs",
+                "must be >= 0",
+            ),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),

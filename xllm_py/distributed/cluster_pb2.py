@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!xllm_py/distributed/cluster.proto\x12\x0cxllm.cluster\"|\n\x10ModelFingerprint\x12\x15\n\rconfig_sha256\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\":\n\x06Layout\x12\x0e\n\x06nnodes\x18\x01 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x02 \x01(\r\x12\x0f\n\x07\x65p_size\x18\x03 \x01(\r\"\xa6\x01\n\x0fRegisterRequest\x12\x11\n\tnode_rank\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x33\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x1e.xllm.cluster.ModelFingerprint\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.xllm.cluster.LayoutJ\x04\x08\x04\x10\x05\"4\n\rRegisterReply\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\"\x99\x01\n\x10InitModelRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07\x65p_size\x18\x05 \x01(\r\x12\x0f\n\x07replica\x18\x06 \x01(\r\x12\x13\n\x0binit_method\x18\x07 \x01(\tJ\x04\x08\x08\x10\tJ\x04\x08\t\x10\n\"3\n\x0eInitModelReply\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x04\"8\n\x14\x41llocateCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"\x14\n\x12\x41llocateCacheReply\"\x0f\n\rHealthRequest\"=\n\x0bHealthReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"\x98\x04\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x02\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x0e \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0f \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x11 \x01(\x01\x12?\n\nlogit_bias\x18\x12 \x03(\x0b\x32+.xllm.cluster.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xaa\x01\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.xllm.cluster.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\"j\n\rCachedRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x03 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\"5\n\x0fScheduledTokens\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"/\n\nSpecTokens\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\xb7\x02\n\x12\x45xecuteStepRequest\x12.\n\x0cnew_requests\x18\x01 \x03(\x0b\x32\x18.xllm.cluster.NewRequest\x12\x34\n\x0f\x63\x61\x63hed_requests\x18\x02 \x03(\x0b\x32\x1b.xllm.cluster.CachedRequest\x12;\n\x14num_scheduled_tokens\x18\x03 \x03(\x0b\x32\x1d.xllm.cluster.ScheduledTokens\x12\x30\n\x0espec_token_ids\x18\x04 \x03(\x0b\x32\x18.xllm.cluster.SpecTokens\x12\x18\n\x10\x66inished_req_ids\x18\x05 \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x13\n\x11_num_draft_tokens\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"7\n\rTokenLogprobs\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.xllm.cluster.Logprob\"\x98\x01\n\rRequestResult\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0chas_logprobs\x18\x03 \x01(\x08\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.xllm.cluster.TokenLogprobs\x12\x17\n\x0f\x64raft_token_ids\x18\x05 \x03(\x05\"T\n\x10\x45xecuteStepReply\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.xllm.cluster.RequestResult\x12\x12\n\nhas_drafts\x18\x02 \x01(\x08\"2\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\x02 \x01(\x08\"\x0f\n\rShutdownReply2U\n\x0b\x43oordinator\x12\x46\n\x08Register\x12\x1d.xllm.cluster.RegisterRequest\x1a\x1b.xllm.cluster.RegisterReply2\x85\x03\n\x06Worker\x12I\n\tInitModel\x12\x1e.xllm.cluster.InitModelRequest\x1a\x1c.xllm.cluster.InitModelReply\x12U\n\rAllocateCache\x12\".xllm.cluster.AllocateCacheRequest\x1a .xllm.cluster.AllocateCacheReply\x12@\n\x06Health\x12\x1b.xllm.cluster.HealthRequest\x1a\x19.xllm.cluster.HealthReply\x12O\n\x0b\x45xecuteStep\x12 .xllm.cluster.ExecuteStepRequest\x1a\x1e.xllm.cluster.ExecuteStepReply\x12\x46\n\x08Shutdown\x12\x1d.xllm.cluster.ShutdownRequest\x1a\x1b.xllm.cluster.ShutdownReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!xllm_py/distributed/cluster.proto\x12\x0cxllm.cluster\"|\n\x10ModelFingerprint\x12\x15\n\rconfig_sha256\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\":\n\x06Layout\x12\x0e\n\x06nnodes\x18\x01 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x02 \x01(\r\x12\x0f\n\x07\x65p_size\x18\x03 \x01(\r\"\xa6\x01\n\x0fRegisterRequest\x12\x11\n\tnode_rank\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x33\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x1e.xllm.cluster.ModelFingerprint\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.xllm.cluster.LayoutJ\x04\x08\x04\x10\x05\"4\n\rRegisterReply\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\"\x99\x01\n\x10InitModelRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07\x65p_size\x18\x05 \x01(\r\x12\x0f\n\x07replica\x18\x06 \x01(\r\x12\x13\n\x0binit_method\x18\x07 \x01(\tJ\x04\x08\x08\x10\tJ\x04\x08\t\x10\n\"3\n\x0eInitModelReply\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x04\"8\n\x14\x41llocateCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"\x14\n\x12\x41llocateCacheReply\"\x0f\n\rHealthRequest\"=\n\x0bHealthReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"\xca\x04\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x02\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x0e \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0f \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x11 \x01(\x01\x12?\n\nlogit_bias\x18\x12 \x03(\x0b\x32+.xllm.cluster.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xaa\x01\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.xllm.cluster.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\"j\n\rCachedRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x03 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\"5\n\x0fScheduledTokens\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"/\n\nSpecTokens\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\xb7\x02\n\x12\x45xecuteStepRequest\x12.\n\x0cnew_requests\x18\x01 \x03(\x0b\x32\x18.xllm.cluster.NewRequest\x12\x34\n\x0f\x63\x61\x63hed_requests\x18\x02 \x03(\x0b\x32\x1b.xllm.cluster.CachedRequest\x12;\n\x14num_scheduled_tokens\x18\x03 \x03(\x0b\x32\x1d.xllm.cluster.ScheduledTokens\x12\x30\n\x0espec_token_ids\x18\x04 \x03(\x0b\x32\x18.xllm.cluster.SpecTokens\x12\x18\n\x10\x66inished_req_ids\x18\x05 \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x13\n\x11_num_draft_tokens\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"7\n\rTokenLogprobs\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.xllm.cluster.Logprob\"\xa0\x02\n\rRequestResult\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0chas_logprobs\x18\x03 \x01(\x08\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.xllm.cluster.TokenLogprobs\x12\x17\n\x0f\x64raft_token_ids\x18\x05 \x03(\x05\x12\x1b\n\x13has_prompt_logprobs\x18\x06 \x01(\x08\x12\x1d\n\x15prompt_logprobs_start\x18\x07 \x01(\r\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.xllm.cluster.TokenLogprobs\x12\x14\n\x0cprompt_ranks\x18\t \x03(\r\"q\n\x10\x45xecuteStepReply\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.xllm.cluster.RequestResult\x12\x12\n\nhas_drafts\x18\x02 \x01(\x08\x12\x1b\n\x13has_prompt_logprobs\x18\x03 \x01(\x08\"2\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\x02 \x01(\x08\"\x0f\n\rShutdownReply2U\n\x0b\x43oordinator\x12\x46\n\x08Register\x12\x1d.xllm.cluster.RegisterRequest\x1a\x1b.xllm.cluster.RegisterReply2\x85\x03\n\x06Worker\x12I\n\tInitModel\x12\x1e.xllm.cluster.InitModelRequest\x1a\x1c.xllm.cluster.InitModelReply\x12U\n\rAllocateCache\x12\".xllm.cluster.AllocateCacheRequest\x1a .xllm.cluster.AllocateCacheReply\x12@\n\x06Health\x12\x1b.xllm.cluster.HealthRequest\x1a\x19.xllm.cluster.HealthReply\x12O\n\x0b\x45xecuteStep\x12 .xllm.cluster.ExecuteStepRequest\x1a\x1e.xllm.cluster.ExecuteStepReply\x12\x46\n\x08Shutdown\x12\x1d.xllm.cluster.ShutdownRequest\x1a\x1b.xllm.cluster.ShutdownReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -54,33 +54,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHREPLY']._serialized_start=766
   _globals['_HEALTHREPLY']._serialized_end=827
   _globals['_SAMPLINGPARAMS']._serialized_start=830
-  _globals['_SAMPLINGPARAMS']._serialized_end=1366
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1281
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1329
-  _globals['_NEWREQUEST']._serialized_start=1369
-  _globals['_NEWREQUEST']._serialized_end=1539
-  _globals['_CACHEDREQUEST']._serialized_start=1541
-  _globals['_CACHEDREQUEST']._serialized_end=1647
-  _globals['_SCHEDULEDTOKENS']._serialized_start=1649
-  _globals['_SCHEDULEDTOKENS']._serialized_end=1702
-  _globals['_SPECTOKENS']._serialized_start=1704
-  _globals['_SPECTOKENS']._serialized_end=1751
-  _globals['_EXECUTESTEPREQUEST']._serialized_start=1754
-  _globals['_EXECUTESTEPREQUEST']._serialized_end=2065
-  _globals['_LOGPROB']._serialized_start=2067
-  _globals['_LOGPROB']._serialized_end=2111
-  _globals['_TOKENLOGPROBS']._serialized_start=2113
-  _globals['_TOKENLOGPROBS']._serialized_end=2168
-  _globals['_REQUESTRESULT']._serialized_start=2171
-  _globals['_REQUESTRESULT']._serialized_end=2323
-  _globals['_EXECUTESTEPREPLY']._serialized_start=2325
-  _globals['_EXECUTESTEPREPLY']._serialized_end=2409
-  _globals['_SHUTDOWNREQUEST']._serialized_start=2411
-  _globals['_SHUTDOWNREQUEST']._serialized_end=2461
-  _globals['_SHUTDOWNREPLY']._serialized_start=2463
-  _globals['_SHUTDOWNREPLY']._serialized_end=2478
-  _globals['_COORDINATOR']._serialized_start=2480
-  _globals['_COORDINATOR']._serialized_end=2565
-  _globals['_WORKER']._serialized_start=2568
-  _globals['_WORKER']._serialized_end=2957
+  _globals['_SAMPLINGPARAMS']._serialized_end=1416
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1311
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1359
+  _globals['_NEWREQUEST']._serialized_start=1419
+  _globals['_NEWREQUEST']._serialized_end=1589
+  _globals['_CACHEDREQUEST']._serialized_start=1591
+  _globals['_CACHEDREQUEST']._serialized_end=1697
+  _globals['_SCHEDULEDTOKENS']._serialized_start=1699
+  _globals['_SCHEDULEDTOKENS']._serialized_end=1752
+  _globals['_SPECTOKENS']._serialized_start=1754
+  _globals['_SPECTOKENS']._serialized_end=1801
+  _globals['_EXECUTESTEPREQUEST']._serialized_start=1804
+  _globals['_EXECUTESTEPREQUEST']._serialized_end=2115
+  _globals['_LOGPROB']._serialized_start=2117
+  _globals['_LOGPROB']._serialized_end=2161
+  _globals['_TOKENLOGPROBS']._serialized_start=2163
+  _globals['_TOKENLOGPROBS']._serialized_end=2218
+  _globals['_REQUESTRESULT']._serialized_start=2221
+  _globals['_REQUESTRESULT']._serialized_end=2509
+  _globals['_EXECUTESTEPREPLY']._serialized_start=2511
+  _globals['_EXECUTESTEPREPLY']._serialized_end=2624
+  _globals['_SHUTDOWNREQUEST']._serialized_start=2626
+  _globals['_SHUTDOWNREQUEST']._serialized_end=2676
+  _globals['_SHUTDOWNREPLY']._serialized_start=2678
+  _globals['_SHUTDOWNREPLY']._serialized_end=2693
+  _globals['_COORDINATOR']._serialized_start=2695
+  _globals['_COORDINATOR']._serialized_end=2780
+  _globals['_WORKER']._serialized_start=2783
+  _globals['_WORKER']._serialized_end=3172
 # @@protoc_insertion_point(module_scope)

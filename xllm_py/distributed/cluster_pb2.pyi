@@ -105,7 +105,7 @@ class HealthReply(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    __slots__ = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     n: int
     max_tokens: int
     min_tokens: int
@@ -149,7 +150,8 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     repetition_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens")
@@ -226,26 +228,36 @@ class TokenLogprobs(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ...) -> None: ...
 
 class RequestResult(_message.Message):
-    __slots__ = ("req_id", "sampled_token_ids", "has_logprobs", "logprobs", "draft_token_ids")
+    __slots__ = ("req_id", "sampled_token_ids", "has_logprobs", "logprobs", "draft_token_ids", "has_prompt_logprobs", "prompt_logprobs_start", "prompt_logprobs", "prompt_ranks")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_START_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_RANKS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_logprobs: bool
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_id: _Optional[str] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    has_prompt_logprobs: bool
+    prompt_logprobs_start: int
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    prompt_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_id: _Optional[str] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., has_prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_start: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteStepReply(_message.Message):
-    __slots__ = ("results", "has_drafts")
+    __slots__ = ("results", "has_drafts", "has_prompt_logprobs")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     HAS_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[RequestResult]
     has_drafts: bool
-    def __init__(self, results: _Optional[_Iterable[_Union[RequestResult, _Mapping]]] = ..., has_drafts: _Optional[bool] = ...) -> None: ...
+    has_prompt_logprobs: bool
+    def __init__(self, results: _Optional[_Iterable[_Union[RequestResult, _Mapping]]] = ..., has_drafts: _Optional[bool] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("reason", "failure")

@@ -15,12 +15,13 @@ from xllm_py.executor.messages import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
     TokenLogprobs,
 )
 from xllm_py.sampling_params import SamplingParams
 
-_OPTIONAL = ("max_tokens", "seed", "logprobs")  # None <-> unset
+_OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs")  # None <-> unset
 _PLAIN = (
     "n",
     "min_tokens",
@@ -126,6 +127,7 @@ def _logprobs_to_pb(lps: list[TokenLogprobs]) -> list[pb.TokenLogprobs]:
 
 def output_to_pb(out: ModelRunnerOutput) -> pb.ExecuteStepReply:
     drafts = out.draft_token_ids or [[] for _ in out.req_ids]
+    prompt = out.prompt_logprobs or [None for _ in out.req_ids]
     return pb.ExecuteStepReply(
         results=[
             pb.RequestResult(
@@ -134,13 +136,22 @@ def output_to_pb(out: ModelRunnerOutput) -> pb.ExecuteStepReply:
                 has_logprobs=lps is not None,
                 logprobs=_logprobs_to_pb(lps or []),
                 draft_token_ids=draft,
+                has_prompt_logprobs=pl is not None,
+                prompt_logprobs_start=pl.start if pl else 0,
+                prompt_logprobs=_logprobs_to_pb(pl.logprobs if pl else []),
+                prompt_ranks=pl.ranks if pl else [],
             )
-            for req_id, sampled, lps, draft in zip(
-                out.req_ids, out.sampled_token_ids, out.logprobs, drafts
+            for req_id, sampled, lps, draft, pl in zip(
+                out.req_ids, out.sampled_token_ids, out.logprobs, drafts, prompt
             )
         ],
         has_drafts=bool(out.draft_token_ids),
+        has_prompt_logprobs=bool(out.prompt_logprobs),
     )
+
+
+def _logprobs_from_pb(lps) -> list[TokenLogprobs]:
+    return [{e.token_id: e.logprob for e in t.entries} for t in lps]
 
 
 def output_from_pb(msg: pb.ExecuteStepReply) -> ModelRunnerOutput:
@@ -148,11 +159,18 @@ def output_from_pb(msg: pb.ExecuteStepReply) -> ModelRunnerOutput:
     return ModelRunnerOutput(
         req_ids=[r.req_id for r in results],
         sampled_token_ids=[list(r.sampled_token_ids) for r in results],
-        logprobs=[
-            [{e.token_id: e.logprob for e in t.entries} for t in r.logprobs]
-            if r.has_logprobs
+        logprobs=[_logprobs_from_pb(r.logprobs) if r.has_logprobs else None for r in results],
+        draft_token_ids=[list(r.draft_token_ids) for r in results] if msg.has_drafts else [],
+        prompt_logprobs=[
+            PromptLogprobs(
+                r.prompt_logprobs_start,
+                _logprobs_from_pb(r.prompt_logprobs),
+                list(r.prompt_ranks),
+            )
+            if r.has_prompt_logprobs
             else None
             for r in results
-        ],
-        draft_token_ids=[list(r.draft_token_ids) for r in results] if msg.has_drafts else [],
+        ]
+        if msg.has_prompt_logprobs
+        else [],
     )

@@ -69,7 +69,9 @@ class EngineCore:
                 f"prompt_token_ids: token id {bad[0]} is outside [0, vocab_size={vocab})"
             )
         n = len(prompt_token_ids)
-        if n >= max_len:
+        if sampling.max_tokens == 0 and n > max_len:  # scoring only: the prompt must fit
+            raise ValueError(f"prompt: {n} tokens exceed the model's context of {max_len} tokens")
+        if sampling.max_tokens != 0 and n >= max_len:
             raise ValueError(
                 f"prompt: {n} tokens leave no room to generate within the model's context "
                 f"of {max_len} tokens"
@@ -80,15 +82,17 @@ class EngineCore:
         for t in sampling.logit_bias or {}:
             if not 0 <= t < vocab:
                 raise ValueError(f"logit_bias: key {t} is outside [0, vocab_size={vocab})")
-        if sampling.logprobs is not None and sampling.logprobs > vocab:
-            raise ValueError(f"logprobs={sampling.logprobs} exceeds vocab_size={vocab}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(sampling, name) or 0) > vocab:
+                raise ValueError(f"{name}={getattr(sampling, name)} exceeds vocab_size={vocab}")
         sched = self.config.scheduler
         if not sched.enable_chunked_prefill and n > sched.max_tokens_per_batch:
             raise ValueError(
                 f"prompt: {n} tokens exceed max_tokens_per_batch={sched.max_tokens_per_batch} "
                 "and chunked prefill is off (enable_chunked_prefill)"
             )
-        longest = min(n + (sampling.max_tokens or max_len), max_len)
+        most = max_len if sampling.max_tokens is None else sampling.max_tokens
+        longest = min(n + most, max_len)
         need = self.blocks.blocks_needed(longest + self.config.cache.num_lookahead_tokens)
         if need > self.blocks.num_blocks:
             raise ValueError(

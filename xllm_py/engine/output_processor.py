@@ -34,11 +34,15 @@ class RequestState:
             else None
         )
         self.completion = CompletionOutput(0, "", [], [] if sampling.logprobs is not None else None)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_ranks: list[int] | None = None
 
     def apply(self, out: EngineCoreOutput) -> bool:
         """Fold one step's output in; True if a stop string ended the request here."""
         faults.check("output", self.prompt)
         c = self.completion
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_ranks = out.prompt_logprobs, out.prompt_ranks
         c.token_ids.extend(out.new_token_ids)
         if c.logprobs is not None and out.new_logprobs:
             c.logprobs.extend(out.new_logprobs)
@@ -81,5 +85,7 @@ class RequestState:
             self.prompt_ids,
             [self.completion],
             finished=self.completion.finish_reason is not None,
+            prompt_logprobs=self.prompt_logprobs,
+            prompt_ranks=self.prompt_ranks,
             error=error,
         )

@@ -26,6 +26,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # prompt_logprobs asked for: entry i is prompt token i's logprob given the tokens before
+    # it, then the top N there (entry 0 is None), and prompt_ranks[i - 1] that token's
+    # 1-based rank; set once the whole prompt has been computed
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int] | None = None
     # set when handling this request's own data failed (finish_reason "error"): the request
     # was ended and its blocks freed; the engine and the other requests went on
     error: str | None = None

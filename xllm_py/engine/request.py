@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 
+from xllm_py.executor.messages import TokenLogprobs
 from xllm_py.sampling_params import SamplingParams
 
 
@@ -33,9 +34,8 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.sampling = sampling
         self.eos_token_ids = () if sampling.ignore_eos else eos_token_ids
-        self.max_output = min(
-            sampling.max_tokens or max_model_len, max_model_len - len(prompt_token_ids)
-        )
+        limit = max_model_len if sampling.max_tokens is None else sampling.max_tokens
+        self.max_output = min(limit, max_model_len - len(prompt_token_ids))
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_tokens_sent = 0  # tokens the worker already holds
@@ -47,6 +47,21 @@ class Request:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # prompt tokens 1.. scored so far (prompt_logprobs), and the ranks of those tokens;
+        # handed out with the request's first output
+        self.prompt_logprobs: list[TokenLogprobs] | None = (
+            None if sampling.prompt_logprobs is None else []
+        )
+        self.prompt_ranks: list[int] = []
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Prompt logprobs are still being collected: every prompt position must be
+        computed (none may come from the prefix cache)."""
+        return (
+            self.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,7 @@ from xllm_py.executor.messages import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
     TokenLogprobs,
 )
@@ -40,6 +41,10 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    # with the request's first output, when it asked for prompt logprobs: one entry per
+    # prompt token, the first None (nothing comes before it), and the ranks of the rest
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_ranks: list[int] | None = None
 
 
 @dataclass
@@ -144,7 +149,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs_per_batch:
             req = self.waiting[0]
-            hits = self.blocks.find_cached_prefix(req)
+            hits = [] if req.scoring_prompt else self.blocks.find_cached_prefix(req)
             n = req.num_tokens - len(hits) * self.blocks.block_size
             if n > budget:
                 # Recomputation after preemption may always be chunked: its length grew while
@@ -206,7 +211,11 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None:  # aborted while the step ran
                 continue
+            if result.prompt_logprobs and result.prompt_logprobs[row] is not None:
+                self._collect_prompt_logprobs(req, result.prompt_logprobs[row])
             sampled = result.sampled_token_ids[row]
+            if sampled and req.max_output == 0:  # max_tokens 0: the prompt was all it wanted
+                sampled, req.finish_reason = [], "length"
             drafts = sched.spec_token_ids.get(req_id, [])
             accepted = max(len(sampled) - 1, 0)  # drafts the target agreed with
             self.spec_stats.record(drafts, accepted)
@@ -229,14 +238,32 @@ class Scheduler:
                 self.running.remove(req)
                 self._release(req)
             if new_tokens or req.finish_reason:
-                outputs.append(
-                    EngineCoreOutput(
-                        req_id, new_tokens, logprobs, req.finish_reason, req.stop_reason
-                    )
+                out = EngineCoreOutput(
+                    req_id, new_tokens, logprobs, req.finish_reason, req.stop_reason
                 )
+                if req.prompt_logprobs is not None:  # complete: the prompt's last row sampled
+                    out.prompt_logprobs = [None, *req.prompt_logprobs]
+                    out.prompt_ranks = req.prompt_ranks
+                    req.prompt_logprobs = None
+                outputs.append(out)
         if self.adaptive is not None:
             self.adaptive.observe_acceptance(judged)
         return outputs
+
+    @staticmethod
+    def _collect_prompt_logprobs(req: Request, got: PromptLogprobs) -> None:
+        """Append the positions not collected yet (a recomputation after preemption scores
+        positions again; they are the same and are dropped)."""
+        if req.prompt_logprobs is None:
+            return
+        skip = 1 + len(req.prompt_logprobs) - got.start
+        if skip < 0:
+            raise RuntimeError(
+                f"request {req.req_id}: prompt logprobs from position {got.start}, but only "
+                f"{1 + len(req.prompt_logprobs)} were collected"
+            )
+        req.prompt_logprobs += got.logprobs[skip:]
+        req.prompt_ranks += got.ranks[skip:]
 
     def record_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
         """Feed adaptive speculation the cost of a clean step: every request decoding and

@@ -283,7 +283,9 @@ class OpenAIServer:
             return f"token_id:{tid}"
         return self.tokenizer.decode([tid], skip_special_tokens=False)
 
-    def completion_logprobs(self, lps: list[dict[int, float]], ids: list[int], offset: int):
+    def completion_logprobs(self, lps: list[dict[int, float] | None], ids: list[int], offset: int):
+        """OpenAI's completion `logprobs`; a None entry (the first prompt token under echo:
+        nothing comes before it) has null logprobs."""
         tokens = [self._token_str(t) for t in ids]
         offsets, pos = [], offset
         for t in tokens:
@@ -291,10 +293,47 @@ class OpenAIServer:
             pos += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp[t] for lp, t in zip(lps, ids)],
-            "top_logprobs": [{self._token_str(k): v for k, v in lp.items()} for lp in lps],
+            "token_logprobs": [None if lp is None else lp[t] for lp, t in zip(lps, ids)],
+            "top_logprobs": [
+                None if lp is None else {self._token_str(k): v for k, v in lp.items()} for lp in lps
+            ],
             "text_offset": offsets,
         }
+
+    @staticmethod
+    def _top(entry: dict[int, float], token: int, n: int) -> dict[int, float]:
+        """`token`'s logprob, then the n largest of `entry` (which may hold more)."""
+        best = sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+        return {token: entry[token]} | dict(best)
+
+    def echoed(self, c: _Choice, prompt_lps: list | None) -> tuple[str, list | None]:
+        """Echo's prefix: the prompt's text and, when logprobs were asked for, its tokens'
+        logprob entries (the first None)."""
+        text = c.text
+        if text is None:
+            text = "" if self.tokenizer is None else self.tokenizer.decode(c.ids)
+        want = c.sampling.logprobs
+        if want is None or prompt_lps is None:
+            return text, None
+        return text, [None] + [self._top(e, t, want) for e, t in zip(prompt_lps[1:], c.ids[1:])]
+
+    def prompt_logprobs(self, ids: list[int], lps: list, ranks: list[int], n: int) -> list:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or
+        {token id: {logprob, rank, decoded_token}}, the prompt's token first, then the top n."""
+        out: list = [None]
+        for entry, token, rank in zip(lps[1:], ids[1:], ranks):
+            top = self._top(entry, token, n)
+            out.append(
+                {
+                    str(t): {
+                        "logprob": v,
+                        "rank": rank if t == token else 1 + sum(w > v for w in top.values()),
+                        "decoded_token": self._token_str(t),
+                    }
+                    for t, v in top.items()
+                }
+            )
+        return out
 
     def chat_logprobs(self, lps: list[dict[int, float]], ids: list[int], top: int):
         def entry(t, v):
@@ -350,6 +389,7 @@ class OpenAIServer:
         ids: dict[int, list[int]] = {c.index: [] for c in choices}
         lps: dict[int, list] = {c.index: [] for c in choices}
         last: dict[int, Update] = {}
+        prompt: dict[int, Update] = {}  # the update that carried the prompt logprobs
 
         async def collect() -> None:
             async with contextlib.aclosing(self._merged(choices)) as merged:
@@ -358,6 +398,8 @@ class OpenAIServer:
                     ids[c.index] += u.new_token_ids
                     lps[c.index] += u.new_logprobs or []
                     last[c.index] = u
+                    if u.prompt_logprobs is not None:
+                        prompt[c.index] = u
 
         task = asyncio.create_task(collect())
         try:
@@ -376,25 +418,38 @@ class OpenAIServer:
         finally:
             task.cancel()
         out_choices = []
+        scored = {}  # vLLM's prompt_logprobs, per choice
         for c in sorted(choices, key=lambda c: c.index):
-            u = last[c.index]
+            u, p = last[c.index], prompt.get(c.index)
             entry = {"index": c.index, "finish_reason": u.finish_reason}
             want = c.sampling.logprobs
+            if req.prompt_logprobs is not None and p is not None:
+                scored[c.index] = self.prompt_logprobs(
+                    c.ids, p.prompt_logprobs, p.prompt_ranks, req.prompt_logprobs
+                )
             if chat:
                 entry["message"] = {"role": "assistant", "content": texts[c.index]}
                 entry["logprobs"] = (
                     None if want is None else self.chat_logprobs(lps[c.index], ids[c.index], want)
                 )
             else:
-                entry["text"] = texts[c.index]
+                text, token_ids, entries = texts[c.index], ids[c.index], lps[c.index]
+                if req.echo:
+                    echo_text, echo_lps = self.echoed(c, p and p.prompt_logprobs)
+                    text = echo_text + text
+                    if echo_lps is not None:
+                        token_ids, entries = c.ids + token_ids, echo_lps + entries
+                entry["text"] = text
                 entry["logprobs"] = (
-                    None
-                    if want is None
-                    else self.completion_logprobs(lps[c.index], ids[c.index], 0)
+                    None if want is None else self.completion_logprobs(entries, token_ids, 0)
                 )
+                if c.index in scored:
+                    entry["prompt_logprobs"] = scored[c.index]
             entry["stop_reason"] = u.stop_reason
             out_choices.append(entry)
         completion_tokens = sum(len(v) for v in ids.values())
+        if chat and scored:  # vLLM: one list for the request (every choice has its prompt)
+            head = {**head, "prompt_logprobs": scored[min(scored)]}
         return {
             **head,
             "object": kind,
@@ -411,6 +466,8 @@ class OpenAIServer:
         also the usage so far in every chunk (continuous_usage_stats)."""
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         sent = {c.index: 0 for c in choices}  # characters of text already streamed
+        # completions with echo: the prompt goes first, in the choice's first chunk
+        echo_pending = {c.index for c in choices} if not chat and req.echo else set()
         offsets = {c.index: 0 for c in choices}
         completion_tokens = 0
 
@@ -450,17 +507,22 @@ class OpenAIServer:
                     upto = max(sent[c.index], len(u.text) - hold)
                     delta = u.text[sent[c.index] : upto]
                     sent[c.index] = upto
-                    if not delta and not u.finished and not u.new_logprobs:
+                    new_lps, new_ids = u.new_logprobs, u.new_token_ids
+                    if c.index in echo_pending:
+                        echo_pending.discard(c.index)
+                        echo_text, echo_lps = self.echoed(c, u.prompt_logprobs)
+                        delta = echo_text + delta
+                        if echo_lps is not None:
+                            new_lps, new_ids = echo_lps + (new_lps or []), c.ids + new_ids
+                    if not delta and not u.finished and not new_lps:
                         continue
                     want = c.sampling.logprobs
                     lp = None
-                    if want is not None and u.new_logprobs:
+                    if want is not None and new_lps:
                         lp = (
-                            self.chat_logprobs(u.new_logprobs, u.new_token_ids, want)
+                            self.chat_logprobs(new_lps, new_ids, want)
                             if chat
-                            else self.completion_logprobs(
-                                u.new_logprobs, u.new_token_ids, offsets[c.index]
-                            )
+                            else self.completion_logprobs(new_lps, new_ids, offsets[c.index])
                         )
                         offsets[c.index] += sum(len(t) for t in lp.get("tokens", []))
                     body = {"index": c.index, "logprobs": lp, "finish_reason": u.finish_reason}

@@ -18,6 +18,7 @@ EngineDeadError, `dead` is set (so /health answers 503) and `on_failure` is call
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -55,6 +56,10 @@ class Update:
     new_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     stop_reason: int | str | None
+    # in the first update after the prompt was computed, when prompt_logprobs were asked
+    # for (RequestOutput.prompt_logprobs and prompt_ranks)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -88,6 +93,7 @@ class _Stream:
     record: RequestRecord
     sent_tokens: int = 0
     sent_logprobs: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -254,6 +260,11 @@ class AsyncEngine:
             if new:
                 self.events.on_tokens(s.record, len(new), now)
             upd = Update(c.text, new, logprobs, c.finish_reason, c.stop_reason)
+            if out.prompt_logprobs is not None and not s.sent_prompt_logprobs:
+                s.sent_prompt_logprobs = True
+                upd = dataclasses.replace(
+                    upd, prompt_logprobs=out.prompt_logprobs, prompt_ranks=out.prompt_ranks
+                )
             if upd.finished:
                 self.events.on_finished(s.record, c.finish_reason, now)
                 with self._lock:

@@ -132,7 +132,6 @@ REFUSED_FIELDS: dict[str, tuple] = {
     "length_penalty": (None, 1, 1.0),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
-    "prompt_logprobs": (None,),
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -224,6 +223,8 @@ class _Common(_Body):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=2)  # vLLM
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
+    # vLLM: each prompt token's logprob given the tokens before it, and the top N there
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def extra_fields(self, prefix: str = "") -> dict[str, Any]:
         out = super().extra_fields(prefix)
@@ -237,6 +238,10 @@ class _Common(_Body):
                 raise APIError(
                     400, f"logit_bias: key {key!r} is not a token id", param="logit_bias"
                 )
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(
+                400, "prompt_logprobs: not available with stream=true", param="prompt_logprobs"
+            )
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed with stream=true", param="stream")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -265,23 +270,39 @@ class _Common(_Body):
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0,
                 logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                prompt_logprobs=self.scored_prompt_logprobs(),
             )
         except ValueError as e:
             raise APIError.invalid(e) from e
 
+    def scored_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs the engine computes for this request."""
+        return self.prompt_logprobs
+
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 scores the prompt without generating (with echo or prompt_logprobs)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt before the output: its text, and with logprobs, theirs
     suffix: str | None = None
     best_of: int | None = None
 
+    def scored_prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise APIError(400, "echo: not supported by this server", param="echo")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise APIError(
+                400,
+                "max_tokens: 0 generates nothing; it is only allowed with echo=true or "
+                "prompt_logprobs (scoring the prompt)",
+                param="max_tokens",
+            )
         if self.suffix:
             raise APIError(400, "suffix: not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:

@@ -50,6 +50,17 @@ TokenLogprobs = dict[int, float]  # token id -> logprob; the chosen token first,
 
 
 @dataclass
+class PromptLogprobs:
+    """Prompt logprobs of the positions a step computed: entry i is prompt token
+    `start + i` given the tokens before it (its logprob first, then the top N), with the
+    1-based rank of that token among all the vocabulary's logprobs there."""
+
+    start: int  # >= 1: the first prompt token has nothing before it
+    logprobs: list[TokenLogprobs]
+    ranks: list[int]
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # [R] every scheduled request, in scheduling order
     # [R][0 .. k+1]: empty while a prompt is still being prefilled; with drafts, the accepted
@@ -58,3 +69,5 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None]  # [R]: per sampled token, when requested
     # [R][0 or k]: MTP drafts proposed for the request's next step
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    # [R] or []: the prompt logprobs a step computed, for the requests that asked
+    prompt_logprobs: list[PromptLogprobs | None] = field(default_factory=list)

@@ -8,7 +8,9 @@ step's diffs), lays the step's tokens out as one flat batch
     sample rows                           [R'] last row of each request whose
                                           prompt is complete after this step
 
-runs the model once, computes logits only at the sample rows and samples.
+runs the model once, computes logits only at the sample rows and samples. Requests
+that asked for prompt logprobs also get logits at their prompt rows, PROMPT_LOGPROBS_ROWS
+rows at a time (never a whole prompt x vocab tensor).
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from xllm_py.executor.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from xllm_py.executor.messages import (
+    ModelRunnerOutput,
+    PromptLogprobs,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from xllm_py.models.context import forward_context
 from xllm_py.sampling_params import SamplingParams
 from xllm_py.spec.mtp_proposer import MTPProposer, ProposeInput
@@ -31,6 +38,10 @@ from xllm_py.worker.sampler import (
     logprob_details,
     token_seed,
 )
+
+# Prompt rows whose logits (rows x vocab floats) exist at once while prompt logprobs are
+# computed: 256 x DeepSeek-V3's 129,280 x 4 bytes = 132 MB, twice with the log-softmax.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass
@@ -125,6 +136,7 @@ class ModelRunner:
                 hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
             )
         out = self._sample(req_ids, sample_reqs, logits, sched.spec_token_ids)
+        out.prompt_logprobs = self._prompt_logprobs(req_ids, layouts, hidden)
         if self.proposer is not None:
             out.draft_token_ids = self._propose(req_ids, sched, layouts, out, hidden)
         return out
@@ -174,6 +186,59 @@ class ModelRunner:
             )
         logprobs = self._logprobs(req_ids, sample_reqs, emitted_rows, token_list, chosen, top)
         return ModelRunnerOutput(req_ids, out_tokens, logprobs)
+
+    def _prompt_logprobs(
+        self, req_ids: list[str], layouts: list[RequestLayout], hidden: torch.Tensor
+    ) -> list[PromptLogprobs | None]:
+        """Row p of a prompt (position p < prompt length - 1) scores prompt token p + 1.
+        [] when no scheduled request asked for prompt logprobs. Under tensor parallelism
+        every rank computes the same chunks (compute_logits is a collective)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[int, int, int] | None] = []  # (first row index, count, start)
+        for req_id, lay in zip(req_ids, layouts):
+            req = self.requests[req_id]
+            s = lay.ctx_len - lay.q_len
+            end = min(lay.ctx_len, req.num_prompt_tokens - 1)
+            if req.sampling.prompt_logprobs is None or end <= s:
+                spans.append(None)
+                continue
+            spans.append((len(rows), end - s, s + 1))
+            rows.extend(range(lay.start, lay.start + end - s))
+            targets.extend(req.token_ids[s + 1 : end + 1])
+        if not rows:
+            return []
+        top_n = max(self.requests[r].sampling.prompt_logprobs or 0 for r in req_ids)
+        chosen: list[float] = []
+        ranks: list[int] = []
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        for c in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            idx = torch.tensor(rows[c : c + PROMPT_LOGPROBS_ROWS], device=self.device)
+            tgt = torch.tensor(targets[c : c + PROMPT_LOGPROBS_ROWS], device=self.device)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[idx]), dim=-1)
+            mine = lp.gather(1, tgt.unsqueeze(1))
+            chosen += mine.squeeze(1).tolist()
+            ranks += ((lp > mine).sum(dim=1) + 1).tolist()
+            if top_n:
+                top = lp.topk(top_n, dim=-1)
+                top_vals += top.values.tolist()
+                top_ids += top.indices.tolist()
+        out: list[PromptLogprobs | None] = []
+        for req_id, span in zip(req_ids, spans):
+            if span is None:
+                out.append(None)
+                continue
+            first, count, start = span
+            n = self.requests[req_id].sampling.prompt_logprobs
+            entries = []
+            for k in range(first, first + count):
+                entry = {targets[k]: chosen[k]}
+                for tid, val in zip(top_ids[k][:n], top_vals[k][:n]) if n else ():
+                    entry.setdefault(tid, val)
+                entries.append(entry)
+            out.append(PromptLogprobs(start, entries, ranks[first : first + count]))
+        return out
 
     def _logprobs(self, req_ids, sample_reqs, emitted_rows, token_list, chosen, top):
         """{token: logprob} for each emitted token of the requests that asked (chosen first)."""
