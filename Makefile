@@ -24,8 +24,11 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# Two pytest-xdist workers, a test file each at a time (module-scoped servers are started
+# once); PYTEST_WORKERS=0 runs the suite in this process, one test after another.
+PYTEST_WORKERS ?= 2
 test: setup
-	$(VPY) -m pytest tests
+	$(VPY) -m pytest tests $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 # The tests marked `gpu` (a CUDA device); without one they are skipped and this says so.
 test-gpu: setup

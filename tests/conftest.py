@@ -56,3 +56,29 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vocab_size():
     return TINY_CONFIGS[ENGINE_CONFIG]["vocab_size"]
+
+
+# The suite runs on two pytest-xdist workers a file at a time (`make test`); files go to
+# whichever worker is free, in collection order. The longest files start first so that
+# both workers finish together (a long file taken last would run alone at the end).
+LONGEST_FILES = [
+    "test_spec_sampling_distribution.py",
+    "test_cluster.py",
+    "test_tensor_parallel.py",
+    "test_graph_mode.py",
+    "test_clients.py",
+    "test_fuzz.py",
+    "test_cluster_security.py",
+    "test_spec_sharegpt.py",
+    "test_soak.py",
+    "test_ray_launch.py",
+    "test_train_tool.py",
+    "test_mtp_sweep.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -38,6 +38,7 @@ from xllm_py.executor.messages import (
     PromptLogprobs,
     SchedulerOutput,
 )
+from xllm_py.sampling_params import StructuredOutput
 from xllm_py.sharegpt import held_out_user_turns
 
 MODEL = "tiny-deepseek-v3-mtp"
@@ -78,6 +79,8 @@ def test_sampling_params_round_trip():
         SamplingParams(temperature=0, seed=0, logprobs=None),
         SamplingParams(max_tokens=0, prompt_logprobs=0),  # 0s are values, not "unset"
         SamplingParams(prompt_logprobs=5),
+        SamplingParams(structured=StructuredOutput("json", '{"type": "object"}', strict=False)),
+        SamplingParams(structured=StructuredOutput("json_object")),
     ):
         assert sampling_from_pb(sampling_to_pb(sp)) == sp
 

@@ -1,9 +1,10 @@
 """Speculative sampling keeps the output distribution: on the bundled model with its real
 MTP draft, thousands of sampled continuations of one prompt per arm, and at every
-generated position the token distribution of speculative decoding (k = 1, 2, 3) equals
-plain decoding's (chi-square homogeneity test, tests/chisquare.py). Settings: temperature
-0.7 with top-k and top-p, temperature 1.2 with min-p, temperature 0.3, temperature 0.8
-with presence, frequency and repetition penalties.
+generated position the token distribution of speculative decoding (k = 1 and 3, and
+k = 2 in the graph-mode, tensor-parallel and hot-vocabulary runs) equals plain
+decoding's (chi-square homogeneity test, tests/chisquare.py). Settings: temperature 0.7
+with top-k and top-p, temperature 1.2 with min-p, temperature 0.3, temperature 0.8 with
+presence, frequency and repetition penalties.
 
 The threshold is calibrated by plain against plain (two seeds): it passes, while a
 verifier that judges drafts by an unnormalised min-p distribution, or by the raw softmax
@@ -102,7 +103,7 @@ def test_plain_against_plain_passes_the_threshold(ids, plain, setting):
     assert_same_distribution(plain[setting], other, f"plain vs plain, {setting}")
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 3])  # k = 2: the graph, TP and hot-vocabulary runs below
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_speculative_sampling_keeps_the_distribution(ids, plain, setting, k):
     spec, llm = sample(ids, setting, k, seed=10 + k)

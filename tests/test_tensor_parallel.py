@@ -133,14 +133,12 @@ def _generate_in_graph_mode(path, parallel: ParallelContext):
     return generate(path, 1, parallel, enable_graph=True, graph_batch_sizes=[4])
 
 
-@pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2_ep2"])
-def test_two_ranks_in_graph_mode_generate_like_one_eager_process(
-    jobs, single, mtp_ckpt, ep_size, tmp_path
-):
+def test_two_ranks_in_graph_mode_generate_like_one_eager_process(jobs, single, mtp_ckpt, tmp_path):
     """Graph mode (worker/graph_runner.py) on both ranks, all-reduces inside the graphs
     (the vocab-parallel embedding's among them; the logits gather runs outside): the
-    tokens, logprobs, hidden states and logits of one eager process, MTP k = 1."""
-    ranks = run_ranks(ep_size, functools.partial(_generate_in_graph_mode, mtp_ckpt), tmp_path)
+    tokens, logprobs, hidden states and logits of one eager process, MTP k = 1. (Expert
+    parallel in graph mode: tests/test_cluster.py's two-node graph test.)"""
+    ranks = run_ranks(1, functools.partial(_generate_in_graph_mode, mtp_ckpt), tmp_path)
     outs, seen = single[jobs.index((mtp_ckpt, 1))]
     for r, (r_outs, r_seen) in enumerate(ranks):
         graph_steps = r_seen.pop()

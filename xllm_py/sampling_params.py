@@ -5,6 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow (xllm_py/structured.py): a JSON schema (text), any
+    JSON object, a regular expression, a choice among strings (a JSON list), or an EBNF
+    grammar."""
+
+    kind: str
+    spec: str = ""  # "" for json_object
+    strict: bool = True  # json: no properties beyond the schema's unless it allows them
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(
+                f"structured_outputs: unknown kind {self.kind!r} (one of {STRUCTURED_KINDS})"
+            )
 
 
 @dataclass
@@ -24,6 +42,7 @@ class SamplingParams:
     # None: none; N: for every prompt token after the first, its logprob given the tokens
     # before it, and the top N there (vLLM's prompt_logprobs)
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None  # the output follows this grammar
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM's meanings: presence and frequency penalise tokens of the output so far (by

@@ -19,7 +19,7 @@ from xllm_py.executor.messages import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from xllm_py.sampling_params import SamplingParams
+from xllm_py.sampling_params import SamplingParams, StructuredOutput
 
 _OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs")  # None <-> unset
 _PLAIN = (
@@ -42,6 +42,10 @@ def sampling_to_pb(sp: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
         stop=sp.stop, stop_token_ids=sp.stop_token_ids, logit_bias=sp.logit_bias or {}
     )
+    if sp.structured is not None:
+        msg.structured_kind = sp.structured.kind
+        msg.structured_spec = sp.structured.spec
+        msg.structured_strict = sp.structured.strict
     for name in _PLAIN:
         setattr(msg, name, getattr(sp, name))
     for name in _OPTIONAL:
@@ -57,6 +61,9 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         stop=list(msg.stop),
         stop_token_ids=list(msg.stop_token_ids),
         logit_bias=dict(msg.logit_bias),
+        structured=StructuredOutput(msg.structured_kind, msg.structured_spec, msg.structured_strict)
+        if msg.structured_kind
+        else None,
         **kw,
     )
 

@@ -85,6 +85,15 @@ class EngineCore:
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(sampling, name) or 0) > vocab:
                 raise ValueError(f"{name}={getattr(sampling, name)} exceeds vocab_size={vocab}")
+        if sampling.structured is not None:  # a grammar that does not compile: refused here
+            from xllm_py.structured import grammars_for
+
+            m = self.config.model
+            grammars = grammars_for(m.path, vocab, tuple(m.eos_token_ids))
+            try:
+                grammars.compile(sampling.structured)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs: {e}") from e
         sched = self.config.scheduler
         if not sched.enable_chunked_prefill and n > sched.max_tokens_per_batch:
             raise ValueError(

@@ -18,6 +18,7 @@ their KV blocks are freed at the next engine step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -54,9 +55,14 @@ from xllm_py.entrypoints.openai_protocol import (
     from_validation_error,
 )
 from xllm_py.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
-from xllm_py.sampling_params import SamplingParams
+from xllm_py.sampling_params import SamplingParams, StructuredOutput
+from xllm_py.structured import grammars_for
 
 DISCONNECT_POLL_S = 0.2
+# A structured-output grammar compiles in this pool, given this long (then the request
+# is a 400); one thread: a slow schema delays only other schemas' first compile.
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+_GRAMMAR_POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xllm-grammar")
 logger = logging.getLogger(__name__)
 
 
@@ -224,13 +230,40 @@ class OpenAIServer:
             return None, ids[-truncate:]
         return text, ids
 
-    def choices(self, req, prompts, max_tokens: int | None, logprobs: int | None) -> list[_Choice]:
+    async def structured(self, req) -> StructuredOutput | None:
+        """The request's structured-output constraint, compiled once here (in a thread,
+        for at most GRAMMAR_COMPILE_TIMEOUT_S: a schema that takes longer is refused and
+        the event loop never waits on it); a 400 naming the field if it does not compile."""
+        found = req.structured_output()
+        if found is None:
+            return None
+        field, so = found
+        cfg = self.engine.engine.config.model
+        loop = asyncio.get_running_loop()
+
+        def compile_it() -> None:
+            grammars_for(cfg.path, cfg.vocab_size, tuple(cfg.eos_token_ids)).compile(so)
+
+        try:
+            await asyncio.wait_for(
+                loop.run_in_executor(_GRAMMAR_POOL, compile_it), GRAMMAR_COMPILE_TIMEOUT_S
+            )
+        except TimeoutError as e:
+            msg = f"{field}: took more than {GRAMMAR_COMPILE_TIMEOUT_S:g} s to compile"
+            raise APIError(400, msg, param=field) from e
+        except ValueError as e:
+            raise APIError(400, f"{field}: {e}", param=field) from e
+        return so
+
+    def choices(
+        self, req, prompts, max_tokens: int | None, logprobs: int | None, structured=None
+    ) -> list[_Choice]:
         base = uuid.uuid4().hex
         out = []
         for pi, prompt in enumerate(prompts):
             text, ids = self.tokenize(prompt, req.truncate_prompt_tokens)
             for i in range(req.n):
-                sp = req.sampling(max_tokens, logprobs, i)
+                sp = req.sampling(max_tokens, logprobs, i, structured)
                 try:  # the engine's checks, the prompt's length against the context included
                     self.engine.engine.validate(ids, sp)
                 except ValueError as e:
@@ -363,7 +396,8 @@ class OpenAIServer:
             prompts, limit, logprobs = [text], req.output_limit, req.num_logprobs()
         else:
             prompts, limit, logprobs = req.prompts(), req.max_tokens, req.logprobs
-        choices = self.choices(req, prompts, limit, logprobs)
+        structured = await self.structured(req)
+        choices = self.choices(req, prompts, limit, logprobs, structured)
         self.admit(len(choices))  # each choice (prompt x n) is one engine request
         kind = "chat.completion" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

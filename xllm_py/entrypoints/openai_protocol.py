@@ -15,11 +15,12 @@ that talk to vLLM expect (docs/api_fields.md has the table):
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from xllm_py.sampling_params import SamplingParams
+from xllm_py.sampling_params import SamplingParams, StructuredOutput
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -132,14 +133,9 @@ REFUSED_FIELDS: dict[str, tuple] = {
     "length_penalty": (None, 1, 1.0),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
+    "guided_decoding_backend": (None, "xgrammar", "auto"),
     "guided_whitespace_pattern": (None,),
     "structural_tag": (None,),
-    "structured_outputs": (None,),
     "logits_processors": (None,),
     "prompt_embeds": (None,),
     "audio": (None,),
@@ -225,6 +221,63 @@ class _Common(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     # vLLM: each prompt token's logprob given the tokens before it, and the top N there
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # structured outputs (at most one): OpenAI's, then vLLM's older and newer forms
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_output(self) -> tuple[str, StructuredOutput] | None:
+        """(the field that asked, the constraint), or None; a 400 naming the field for a
+        malformed one, or for a second constraint in one request."""
+        found = [c for c in self._constraints() if c is not None]
+        if len(found) > 1:
+            raise APIError(
+                400,
+                f"{found[1][0]}: one structured-output constraint per request "
+                f"({found[0][0]} is given too)",
+                param=found[1][0],
+            )
+        return found[0] if found else None
+
+    def _constraints(self):
+        rf = self.response_format
+        if rf is not None and rf.get("type") != "text":
+            yield "response_format", _response_format(rf)
+        if self.guided_json is not None:
+            yield "guided_json", _json_constraint("guided_json", self.guided_json)
+        if self.guided_regex is not None:
+            yield "guided_regex", StructuredOutput("regex", self.guided_regex)
+        if self.guided_choice is not None:
+            yield "guided_choice", _choice("guided_choice", self.guided_choice)
+        if self.guided_grammar is not None:
+            yield "guided_grammar", StructuredOutput("grammar", self.guided_grammar)
+        so = self.structured_outputs
+        if so:
+            given = {k: v for k, v in so.items() if v not in (None, False)}
+            if len(given) != 1:
+                raise APIError(
+                    400,
+                    "structured_outputs: give exactly one of json, json_object, regex, choice, "
+                    f"grammar (got {sorted(given) or 'none'})",
+                    param="structured_outputs",
+                )
+            ((key, value),) = given.items()
+            name = f"structured_outputs.{key}"
+            if key == "json":
+                yield "structured_outputs", _json_constraint(name, value)
+            elif key == "json_object":
+                yield "structured_outputs", StructuredOutput("json_object")
+            elif key == "choice":
+                yield "structured_outputs", _choice(name, value)
+            elif key in ("regex", "grammar") and isinstance(value, str):
+                yield "structured_outputs", StructuredOutput(key, value)
+            else:
+                raise APIError(
+                    400, f"{name}: not supported here (or not a string)", param="structured_outputs"
+                )
 
     def extra_fields(self, prefix: str = "") -> dict[str, Any]:
         out = super().extra_fields(prefix)
@@ -248,7 +301,13 @@ class _Common(_Body):
         if len(stops) > MAX_STOP:
             raise APIError(400, f"stop: at most {MAX_STOP} stop strings", param="stop")
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None, index: int) -> SamplingParams:
+    def sampling(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        index: int,
+        structured: StructuredOutput | None = None,
+    ) -> SamplingParams:
         """SamplingParams for choice `index` (seeded choices get seed + index, so n > 1
         seeded choices differ from each other and repeat across calls)."""
         try:
@@ -271,6 +330,7 @@ class _Common(_Body):
                 repetition_penalty=self.repetition_penalty or 1.0,
                 logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
                 prompt_logprobs=self.scored_prompt_logprobs(),
+                structured=structured,
             )
         except ValueError as e:
             raise APIError.invalid(e) from e
@@ -344,7 +404,6 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def extra_fields(self, prefix: str = "") -> dict[str, Any]:
         out = super().extra_fields(prefix)
@@ -366,10 +425,6 @@ class ChatCompletionRequest(_Common):
                 400,
                 "tool_choice: tool calling is not supported by this server",
                 param="tool_choice",
-            )
-        if self.response_format and self.response_format.get("type") != "text":
-            raise APIError(
-                400, "response_format: only {'type': 'text'} is supported", param="response_format"
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
@@ -412,3 +467,44 @@ class DetokenizeRequest(_Body):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _json_constraint(name: str, schema: Any) -> StructuredOutput:
+    """A JSON schema given as an object or as JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"{name}: not valid JSON ({e})", param=name.split(".")[0]) from e
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{name}: a JSON schema must be an object", param=name.split(".")[0])
+    return StructuredOutput("json", json.dumps(schema), strict=True)
+
+
+def _choice(name: str, choices: Any) -> StructuredOutput:
+    if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
+        msg = f"{name}: must be a non-empty list of strings"
+        raise APIError(400, msg, param=name.split(".")[0])
+    return StructuredOutput("choice", json.dumps(choices))
+
+
+def _response_format(rf: dict[str, Any]) -> StructuredOutput:
+    kind = rf.get("type")
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise APIError(
+                400,
+                "response_format: json_schema needs {'name': ..., 'schema': {...}}",
+                param="response_format",
+            )
+        # OpenAI's strict: no properties beyond the schema's; non-strict allows extra ones
+        schema = js.get("schema", {})
+        return StructuredOutput("json", json.dumps(schema), strict=bool(js.get("strict")))
+    raise APIError(
+        400,
+        f"response_format: type {kind!r} is not one of text, json_object, json_schema",
+        param="response_format",
+    )

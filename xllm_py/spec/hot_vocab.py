@@ -67,6 +67,10 @@ class HotVocabHead:
         rows[mine] = weight[local[mine]]
         self.weight = parallel.all_reduce(rows).contiguous()  # [N, hidden]
 
-    def tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (after the draft's head norm) -> the argmax hot token's id [T]."""
-        return self.token_ids[F.linear(x, self.weight).argmax(dim=-1)]
+    def tokens(self, x: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] (after the draft's head norm) -> the argmax hot token's id [T];
+        with `allowed` (bool [T, vocab]), among the hot tokens each row allows."""
+        logits = F.linear(x, self.weight)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed[:, self.token_ids], float("-inf"))
+        return self.token_ids[logits.argmax(dim=-1)]

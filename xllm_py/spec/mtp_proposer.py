@@ -44,6 +44,7 @@ import torch
 from xllm_py.models.context import forward_context
 from xllm_py.models.deepseek_mtp import DeepseekV3MTP
 from xllm_py.spec.hot_vocab import HotVocabHead
+from xllm_py.structured import Matcher, allocate_bitmask, unpack_bitmask
 from xllm_py.worker.attention_layout import RequestLayout, build_context
 from xllm_py.worker.graph_runner import GraphRunner
 
@@ -56,6 +57,7 @@ class ProposeInput:
     next_ids: list[int]  # t_{i+1} for each of those positions
     block_ids: list[int]
     wants_drafts: bool  # False while a prompt is still being prefilled
+    matcher: Matcher | None = None  # structured output: drafts only what the grammar allows
 
 
 class MTPProposer:
@@ -119,12 +121,19 @@ class MTPProposer:
             [layouts[i].start + layouts[i].q_len - 1 for i in want], device=self.device
         )
         x = x[last]
-        tokens = self._draft_tokens(x, 0)
+        followed = {i: 0 for i in want if items[i].matcher is not None}  # drafts to undo
+        tokens = self._draft_tokens(x, 0, self._allowed([items[i] for i in want]))
         for i, t in zip(want, tokens.tolist()):
             drafts[i].append(t)
         for step in range(1, k):
-            # Chained draft j sits at (last verified position + j); stop at the context end.
-            keep = [n for n, i in enumerate(want) if self._last(items[i]) + step < self.max_len]
+            # Chained draft j sits at (last verified position + j); stop at the context end,
+            # or where the grammar is done (or refuses the draft).
+            keep = [
+                n
+                for n, i in enumerate(want)
+                if self._last(items[i]) + step < self.max_len
+                and (i not in followed or self._follow(i, items[i], drafts[i][-1], followed))
+            ]
             if not keep:
                 break
             if len(keep) < len(want):
@@ -135,17 +144,46 @@ class MTPProposer:
             ]
             pos = [lay.ctx_len - 1 for lay in chain]
             x = self._run(tokens.tolist(), pos, x, chain, step)
-            tokens = self._draft_tokens(x, step)
+            tokens = self._draft_tokens(x, step, self._allowed([items[i] for i in want]))
             for i, t in zip(want, tokens.tolist()):
                 drafts[i].append(t)
+        for i, n in followed.items():
+            items[i].matcher.rollback(n)
         return drafts
 
-    def _draft_tokens(self, x: torch.Tensor, step: int) -> torch.Tensor:
+    @staticmethod
+    def _follow(i: int, item: ProposeInput, draft: int, followed: dict[int, int]) -> bool:
+        """Advance item i's grammar by its last draft (undone after drafting); False if
+        the grammar refuses it or is complete: no draft can follow."""
+        m = item.matcher
+        if m.terminated or not m.accept(draft):
+            return False
+        followed[i] += 1
+        return not m.terminated
+
+    def _allowed(self, items: list[ProposeInput]) -> torch.Tensor | None:
+        """Bool [T, vocab]: the tokens each item's grammar allows next (all, without one)."""
+        if all(it.matcher is None for it in items):
+            return None
+        vocab = next(it.matcher for it in items if it.matcher is not None).vocab_size
+        bitmask = allocate_bitmask(len(items), vocab)  # all allowed
+        for n, it in enumerate(items):
+            if it.matcher is not None and not it.matcher.terminated:
+                it.matcher.fill(bitmask, n)
+        return unpack_bitmask(bitmask, vocab).to(self.device)
+
+    def _draft_tokens(
+        self, x: torch.Tensor, step: int, allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Greedy draft tokens [T] from block outputs x [T, hidden]: the argmax over the
-        whole vocabulary, or over the hot tokens (spec/hot_vocab.py)."""
+        whole vocabulary, or over the hot tokens (spec/hot_vocab.py); with `allowed`, over
+        the tokens each row's grammar allows."""
         if self.hot is not None:
-            return self.hot.tokens(self.draft.head_norm(x, step))
-        return self.draft.compute_logits(x, step).argmax(dim=-1)
+            return self.hot.tokens(self.draft.head_norm(x, step), allowed)
+        logits = self.draft.compute_logits(x, step)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        return logits.argmax(dim=-1)
 
     @staticmethod
     def _last(item: ProposeInput) -> int:

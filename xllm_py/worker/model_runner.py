@@ -28,6 +28,7 @@ from xllm_py.executor.messages import (
 from xllm_py.models.context import forward_context
 from xllm_py.sampling_params import SamplingParams
 from xllm_py.spec.mtp_proposer import MTPProposer, ProposeInput
+from xllm_py.structured import Matcher, allocate_bitmask, grammars_for
 from xllm_py.worker.attention_layout import RequestLayout, build_context
 from xllm_py.worker.graph_runner import GraphRunner
 from xllm_py.worker.rejection_sampler import verify
@@ -51,6 +52,7 @@ class RunnerRequest:
     sampling: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    matcher: Matcher | None = None  # structured output: the grammar state after token_ids
 
     @property
     def num_outputs(self) -> int:
@@ -67,8 +69,10 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
+        model_path: str | None = None,
     ) -> None:
         self.model = model
+        self.model_path = model_path  # its tokenizer compiles structured-output grammars
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.eos_token_ids = list(eos_token_ids)
@@ -84,13 +88,15 @@ class ModelRunner:
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in sched.new_requests:
-            self.requests[new.req_id] = RunnerRequest(
+            req = self.requests[new.req_id] = RunnerRequest(
                 list(new.token_ids),
                 new.num_prompt_tokens,
                 new.sampling,
                 list(new.block_ids),
                 new.num_computed_tokens,
             )
+            if new.sampling.structured is not None:
+                req.matcher = self._matcher(req)
         for diff in sched.cached_requests:
             req = self.requests[diff.req_id]
             req.token_ids.extend(diff.new_token_ids)
@@ -160,6 +166,9 @@ class ModelRunner:
         batch.adjust = self._logit_adjust(
             rows, [spec.get(req_ids[i], [])[:j] for i, j in sample_reqs]
         )
+        batch.grammar = self._grammar_bitmask(
+            rows, [spec.get(req_ids[i], []) for i, _ in sample_reqs]
+        )
         out_tokens: list[list[int]] = [[] for _ in req_ids]
         if not spec:
             tokens, chosen, top = self.sampler(logits, batch)
@@ -185,7 +194,52 @@ class ModelRunner:
                 batch.max_logprobs,
             )
         logprobs = self._logprobs(req_ids, sample_reqs, emitted_rows, token_list, chosen, top)
+        for req_id, tokens in zip(req_ids, out_tokens):
+            matcher = self.requests[req_id].matcher
+            for t in tokens if matcher is not None else ():
+                if matcher.terminated or not matcher.accept(t):
+                    break  # (a stop token ended the request: later tokens are dropped)
         return ModelRunnerOutput(req_ids, out_tokens, logprobs)
+
+    def _matcher(self, req: RunnerRequest) -> Matcher:
+        """The grammar state after the request's outputs so far (a request resumed after
+        preemption has some). Drafts are followed and rolled back: up to k at a time."""
+        vocab = self.vocab_size
+        grammars = grammars_for(self.model_path, vocab, tuple(self.eos_token_ids))
+        k = self.proposer.k if self.proposer is not None else 0
+        matcher = Matcher(grammars, req.sampling.structured, max_rollback=k)
+        for t in req.token_ids[req.num_prompt_tokens :]:
+            if matcher.terminated or not matcher.accept(t):
+                break
+        return matcher
+
+    def _grammar_bitmask(
+        self, rows: list[tuple[RunnerRequest, int]], drafts: list[list[int]]
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """The bitmask of the rows whose requests follow a grammar: row (request, j) allows
+        what may follow the request's outputs and its drafts d_1..d_j. A draft the grammar
+        refuses ends the request's masks there: verification rejects it (the row before
+        gives it probability 0), so the rows after it are never used."""
+        picked = [row for row, (r, _) in enumerate(rows) if r.matcher is not None]
+        if not picked:
+            return None
+        bitmask = allocate_bitmask(len(picked), self.vocab_size)  # all allowed
+        followed: dict[int, int] = {}  # id(request) -> drafts its matcher took (to undo)
+        refused: set[int] = set()
+        for n, row in enumerate(picked):
+            r, j = rows[row]
+            key = id(r)
+            if j > 0 and key not in refused:
+                if not r.matcher.terminated and r.matcher.accept(drafts[row][j - 1]):
+                    followed[key] = followed.get(key, 0) + 1
+                else:
+                    refused.add(key)
+            if key not in refused and not r.matcher.terminated:
+                r.matcher.fill(bitmask, n)
+        for row in picked:
+            r = rows[row][0]
+            r.matcher.rollback(followed.pop(id(r), 0))
+        return bitmask, picked
 
     def _prompt_logprobs(
         self, req_ids: list[str], layouts: list[RequestLayout], hidden: torch.Tensor
@@ -283,6 +337,7 @@ class ModelRunner:
                     next_ids=seq[s + 1 : s + 1 + verified],
                     block_ids=req.block_ids,
                     wants_drafts=bool(new) and k != 0,
+                    matcher=req.matcher,
                 )
             )
         drafts = dict(zip([it.req_id for it in items], self.proposer.propose(items, hidden, k)))

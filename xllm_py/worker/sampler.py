@@ -3,7 +3,8 @@
 Order of operations for a row: logit bias, then the repetition, frequency and
 presence penalties (over the tokens before the row's position: the prompt, the
 outputs so far and, on a verification row, the drafts before it), then min_tokens
-masking (EOS / stop ids -> -inf until `min_tokens` outputs exist), then greedy
+masking (EOS / stop ids -> -inf until `min_tokens` outputs exist), then a structured
+output's grammar (tokens it does not allow at the row's position -> -inf), then greedy
 argmax, or temperature, top-k, top-p and min-p filtering and a draw. Logprobs are
 reported from the raw model distribution (log_softmax of the unprocessed logits),
 as vLLM does.
@@ -60,6 +61,8 @@ class SamplingBatch:
     banned: list[tuple[int, list[int]]]  # (row, token ids masked for min_tokens)
     max_logprobs: int | None  # largest N requested, None if no row wants logprobs
     adjust: LogitAdjust | None = None  # penalties and logit bias; None: no row has any
+    # structured outputs: (packed token bitmask [G, V/32], the G rows it applies to)
+    grammar: tuple[torch.Tensor, list[int]] | None = None
 
     @classmethod
     def greedy_rows(
@@ -126,11 +129,16 @@ def logprob_details(logprobs: torch.Tensor | None, tokens: torch.Tensor, n: int 
 
 
 def _prepare(logits: torch.Tensor, batch: SamplingBatch) -> None:
-    """In place, once per step's logits: bias and penalties, then the min_tokens bans."""
+    """In place, once per step's logits: bias and penalties, then the min_tokens bans,
+    then the grammar's bitmask (structured outputs: disallowed tokens -> -inf)."""
     if batch.adjust is not None:
         batch.adjust.apply(logits)
     for row, ids in batch.banned:
         logits[row, ids] = float("-inf")
+    if batch.grammar is not None:
+        from xllm_py.structured import apply_bitmask
+
+        apply_bitmask(logits, *batch.grammar)
 
 
 def _processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -321,6 +321,7 @@ class Worker:
             self.device,
             self.dtype,
             seed,
+            self.config.model.path,
         )
         if self.graph_mode:
             k = self.config.spec.num_speculative_tokens

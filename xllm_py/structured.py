@@ -1,0 +1,132 @@
+"""Structured outputs: a grammar the output must follow, enforced with xgrammar.
+
+A request's `StructuredOutput` names a kind and its source text:
+
+    json         a JSON schema (text)             OpenAI's json_schema, vLLM's guided_json
+    json_object  any JSON object                  OpenAI's json_object
+    regex        a regular expression             vLLM's guided_regex
+    choice       a JSON list of strings           vLLM's guided_choice: exactly one of them
+    grammar      an EBNF grammar (xgrammar's)     vLLM's guided_grammar
+
+`Grammars` compiles them once per process for one tokenizer (xgrammar caches compiled
+grammars by source), and `Matcher` follows one request's output: the token bitmask of
+what may come next, tokens accepted, and rollback of drafts that verification rejected
+(worker/model_runner.py applies the bitmask at every verified position, and to the MTP
+draft's logits, so drafts stay inside the grammar).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+
+import torch
+
+from xllm_py.sampling_params import StructuredOutput
+
+
+def xgrammar():
+    try:
+        import xgrammar as xgr
+    except ImportError as e:  # an optional dependency: the `structured` extra
+        raise ValueError(
+            "structured outputs need xgrammar, which is not installed here "
+            "(pip install 'xllm-py[structured]')"
+        ) from e
+    return xgr
+
+
+class Grammars:
+    """Compiles structured-output specs for one tokenizer (thread-safe; xgrammar caches
+    each compiled source)."""
+
+    def __init__(self, model_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        xgr = xgrammar()
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_path)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tok, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
+        )
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        self._lock = threading.Lock()
+
+    def compile(self, so: StructuredOutput):
+        """The compiled grammar; ValueError saying what is wrong with the spec."""
+        try:
+            with self._lock:
+                if so.kind == "json":
+                    return self.compiler.compile_json_schema(
+                        so.spec, any_whitespace=False, strict_mode=so.strict
+                    )
+                if so.kind == "json_object":  # OpenAI's: an object (any JSON value would do
+                    return self.compiler.compile_json_schema(  # for xgrammar's builtin)
+                        '{"type": "object"}', any_whitespace=False, strict_mode=False
+                    )
+                if so.kind == "regex":
+                    return self.compiler.compile_regex(so.spec)
+                if so.kind == "choice":
+                    return self.compiler.compile_grammar(choice_grammar(so.spec))
+                return self.compiler.compile_grammar(so.spec)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - xgrammar reports bad specs as RuntimeError
+            raise ValueError(f"does not compile: {str(e).strip().splitlines()[0]}") from e
+
+
+@functools.lru_cache(maxsize=4)
+def grammars_for(model_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Grammars:
+    """One compiler per tokenizer and process (the API server and an in-process worker
+    share it, so a grammar the server checked is already compiled for the worker)."""
+    return Grammars(model_path, vocab_size, eos_token_ids)
+
+
+def choice_grammar(spec: str) -> str:
+    choices = json.loads(spec)
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise ValueError("must be a non-empty list of strings")
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class Matcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, grammars: Grammars, so: StructuredOutput, max_rollback: int) -> None:
+        xgr = xgrammar()
+        self.xgr = xgr
+        self.matcher = xgr.GrammarMatcher(grammars.compile(so), max_rollback_tokens=max_rollback)
+        self.vocab_size = grammars.vocab_size
+
+    def accept(self, token: int) -> bool:
+        """Advance by `token`; False (state unchanged) if the grammar does not allow it."""
+        return self.matcher.accept_token(token)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.matcher.rollback(n)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of `bitmask` (xgrammar's packed int32 layout) := what may come next."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    return xgrammar().allocate_token_bitmask(rows, vocab_size)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: logits[rows[i]] of tokens bitmask row i disallows := -inf."""
+    xgrammar().apply_token_bitmask_inplace(logits, bitmask[: len(rows)], indices=rows)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [rows, vocab] from a packed bitmask [rows, ceil(vocab / 32)] (bit b of word w
+    is token 32 w + b)."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
