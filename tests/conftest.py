@@ -70,6 +70,7 @@ LONGEST_FILES = [
     "test_fuzz.py",
     "test_cluster_security.py",
     "test_spec_sharegpt.py",
+    "test_structured_outputs.py",
     "test_soak.py",
     "test_ray_launch.py",
     "test_train_tool.py",

@@ -8,17 +8,20 @@ A request's `StructuredOutput` names a kind and its source text:
     choice       a JSON list of strings           vLLM's guided_choice: exactly one of them
     grammar      an EBNF grammar (xgrammar's)     vLLM's guided_grammar
 
-`Grammars` compiles them once per process for one tokenizer (xgrammar caches compiled
-grammars by source), and `Matcher` follows one request's output: the token bitmask of
-what may come next, tokens accepted, and rollback of drafts that verification rejected
-(worker/model_runner.py applies the bitmask at every verified position, and to the MTP
-draft's logits, so drafts stay inside the grammar).
+`Grammars` compiles each once per process for one tokenizer (StructuredOutput lives in
+sampling_params.py, so it crosses the cluster wire with the other parameters), and
+`Matcher` follows one request's output: the token bitmask of what may come next, tokens
+accepted, and rollback of drafts (worker/model_runner.py applies the bitmask at every
+verified position; spec/mtp_proposer.py applies it to the MTP draft's logits, so drafts
+stay inside the grammar). In a cluster each worker compiles a grammar the first time a
+request brings it, inside that step.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 
 import torch
@@ -38,8 +41,8 @@ def xgrammar():
 
 
 class Grammars:
-    """Compiles structured-output specs for one tokenizer (thread-safe; xgrammar caches
-    each compiled source)."""
+    """Compiles structured-output specs for one tokenizer, one at a time, each once
+    (thread-safe)."""
 
     def __init__(self, model_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
         xgr = xgrammar()
@@ -50,30 +53,41 @@ class Grammars:
             tok, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
         )
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
-        self._lock = threading.Lock()
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._lock = threading.Lock()  # one compile at a time
+        self._compiled: dict[StructuredOutput, object] = {}  # read without the lock
 
     def compile(self, so: StructuredOutput):
-        """The compiled grammar; ValueError saying what is wrong with the spec."""
+        """The compiled grammar (cached: a spec compiled before is a dict lookup, never a
+        wait on a compile in progress); ValueError saying what is wrong with the spec."""
+        done = self._compiled.get(so)
+        if done is not None:
+            return done
+        with self._lock:
+            if so not in self._compiled:
+                self._compiled[so] = self._compile(so)
+            return self._compiled[so]
+
+    def _compile(self, so: StructuredOutput):
+        c = self.compiler
         try:
-            with self._lock:
-                if so.kind == "json":
-                    return self.compiler.compile_json_schema(
-                        so.spec, any_whitespace=False, strict_mode=so.strict
-                    )
-                if so.kind == "json_object":  # OpenAI's: an object (any JSON value would do
-                    return self.compiler.compile_json_schema(  # for xgrammar's builtin)
-                        '{"type": "object"}', any_whitespace=False, strict_mode=False
-                    )
-                if so.kind == "regex":
-                    return self.compiler.compile_regex(so.spec)
-                if so.kind == "choice":
-                    return self.compiler.compile_grammar(choice_grammar(so.spec))
-                return self.compiler.compile_grammar(so.spec)
+            if so.kind == "json":
+                return c.compile_json_schema(so.spec, any_whitespace=False, strict_mode=so.strict)
+            if so.kind == "json_object":  # OpenAI's: an object (xgrammar's builtin JSON
+                return c.compile_json_schema(  # grammar would allow any value)
+                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+                )
+            if so.kind == "regex":
+                return c.compile_regex(so.spec)
+            if so.kind == "choice":
+                return c.compile_grammar(choice_grammar(so.spec))
+            return c.compile_grammar(so.spec)
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - xgrammar reports bad specs as RuntimeError
-            raise ValueError(f"does not compile: {str(e).strip().splitlines()[0]}") from e
+            first = str(e).strip().splitlines()[0]
+            first = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first)  # xgrammar's time and source
+            raise ValueError(f"does not compile: {first}") from e
 
 
 @functools.lru_cache(maxsize=4)
