@@ -33,6 +33,8 @@ import sys
 import threading
 import time
 
+from xllm_py.entrypoints.reasoning import PARSERS as REASONING_PARSERS
+
 DEFAULT_PORT = 8000
 FAILURE_EXIT_DELAY_S = 2.0
 SHUTDOWN_FLUSH_S = 5.0
@@ -120,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="true: a request field this server does not declare is a 400; false (default): "
         "fields neither OpenAI nor vLLM defines are ignored with one warning per name "
         "(docs/api_fields.md lists every field)",
+    )
+    flag(
+        "reasoning_parser",
+        default="",
+        choices=["", *REASONING_PARSERS],
+        help="deepseek_r1: chat answers carry the model's <think>...</think> text as "
+        "message.reasoning_content (delta.reasoning_content when streaming), the rest as "
+        "content; default: off (the thinking stays in content)",
     )
     flag(
         "shutdown_timeout",
@@ -494,6 +504,7 @@ def build_server(a: argparse.Namespace):
             a.max_concurrent_requests,
             a.max_request_body_bytes,
             a.strict_request_fields,
+            a.reasoning_parser,
         ),
         metrics,
     )

@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from xllm_py import __version__
+from xllm_py.entrypoints import reasoning
 from xllm_py.entrypoints.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -73,6 +74,7 @@ class ServerOptions:
     max_concurrent_requests: int = 256
     max_request_body_bytes: int = 1 << 20
     strict_request_fields: bool = False  # True: a field the server does not declare is a 400
+    reasoning_parser: str = ""  # "deepseek_r1": chat answers split <think> (reasoning.py)
 
 
 @dataclass
@@ -397,6 +399,13 @@ class OpenAIServer:
         else:
             prompts, limit, logprobs = req.prompts(), req.max_tokens, req.logprobs
         structured = await self.structured(req)
+        if chat and structured is not None and self.opts.reasoning_parser:
+            raise APIError(
+                400,
+                "response_format: structured outputs together with --reasoning_parser are not "
+                "supported yet (the grammar would constrain the reasoning too)",
+                param="response_format",
+            )
         choices = self.choices(req, prompts, limit, logprobs, structured)
         self.admit(len(choices))  # each choice (prompt x n) is one engine request
         kind = "chat.completion" if chat else "text_completion"
@@ -463,6 +472,9 @@ class OpenAIServer:
                 )
             if chat:
                 entry["message"] = {"role": "assistant", "content": texts[c.index]}
+                if self.opts.reasoning_parser:
+                    thought, answer = reasoning.split(texts[c.index])
+                    entry["message"] |= {"content": answer, "reasoning_content": thought}
                 entry["logprobs"] = (
                     None if want is None else self.chat_logprobs(lps[c.index], ids[c.index], want)
                 )
@@ -500,6 +512,9 @@ class OpenAIServer:
         also the usage so far in every chunk (continuous_usage_stats)."""
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         sent = {c.index: 0 for c in choices}  # characters of text already streamed
+        # chat with --reasoning_parser: each choice's text split into reasoning and answer
+        parse = chat and self.opts.reasoning_parser
+        splitters = {c.index: reasoning.StreamSplitter() for c in choices} if parse else {}
         # completions with echo: the prompt goes first, in the choice's first chunk
         echo_pending = {c.index for c in choices} if not chat and req.echo else set()
         offsets = {c.index: 0 for c in choices}
@@ -562,6 +577,13 @@ class OpenAIServer:
                     body = {"index": c.index, "logprobs": lp, "finish_reason": u.finish_reason}
                     if chat:
                         body["delta"] = {"content": delta} if delta else {}
+                        if c.index in splitters:
+                            thought, answer = splitters[c.index].feed(delta, final=u.finished)
+                            body["delta"] = {
+                                k: v
+                                for k, v in (("reasoning_content", thought), ("content", answer))
+                                if v
+                            }
                     else:
                         body["text"] = delta
                     if u.finished:
