@@ -43,19 +43,29 @@ SCHEMAS = [
     obj(score={"type": "number", "minimum": 0, "maximum": 1}),
     {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
     {"const": "fixed"},
-    {"type": "array", "items": obj(id={"type": "integer", "minimum": 1, "maximum": 5}),
-     "minItems": 1, "maxItems": 2},  # fmt: skip
+    {
+        "type": "array",
+        "items": obj(id={"type": "integer", "minimum": 1, "maximum": 5}),
+        "minItems": 1,
+        "maxItems": 2,
+    },
     {"type": "string", "pattern": "^[a-z]{1,6}$"},
-    {**obj(required=False, a={"type": "integer", "minimum": 0, "maximum": 5}, b={"enum": ["x"]}),
-     "required": ["a"]},  # fmt: skip
+    {
+        **obj(required=False, a={"type": "integer", "minimum": 0, "maximum": 5}, b={"enum": ["x"]}),
+        "required": ["a"],
+    },
     {"anyOf": [obj(kind={"const": "a"}), obj(kind={"const": "b"}, v=INT)]},
     obj(nothing={"type": "null"}, word=WORD),
     obj(word=WORD),
     {"enum": [1, 2, 3]},
     obj(a=obj(b=obj(c={"type": "boolean"}))),
     obj(x={"type": "integer", "minimum": -5, "maximum": 5}, y=INT, tag={"enum": ["p", "q"]}),
-    {"type": "array", "items": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
-     "minItems": 1, "maxItems": 3},  # fmt: skip
+    {
+        "type": "array",
+        "items": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+        "minItems": 1,
+        "maxItems": 3,
+    },
     obj(items={"type": "array", "items": WORD, "maxItems": 2}, count=INT),
 ]
 MAX_TOKENS = 96
