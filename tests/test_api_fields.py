@@ -31,7 +31,13 @@ def table() -> list[tuple[str, str, str, dict]]:
 
 @pytest.fixture(scope="module")
 def server():
-    with Server("--dtype=float32", "--num_speculative_tokens=1", "--max_model_len=256") as s:
+    with Server(
+        "--dtype=float32",
+        "--num_speculative_tokens=1",
+        "--max_model_len=256",
+        "--tool_call_parser=deepseek_v3",
+        "--enable_auto_tool_choice",
+    ) as s:
         yield s
 
 

@@ -135,6 +135,72 @@ def test_sampled_output_under_a_schema_keeps_its_distribution(prompts):
         assert v.p_value > ALPHA, f"position {i}: {v}"
 
 
+def test_under_a_reasoning_parser_the_grammar_starts_after_the_reasoning():
+    """after_reasoning: any text up to </think>, unconstrained (the bitmask allows every
+    token), then the constraint."""
+    from xllm_py.structured import (
+        Matcher,
+        after_reasoning,
+        allocate_bitmask,
+        grammars_for,
+        unpack_bitmask,
+    )
+
+    llm = LLM(**OPTIONS)
+    tok, cfg = llm.get_tokenizer(), llm.engine.config.model
+    grammars = grammars_for(cfg.path, cfg.vocab_size, tuple(cfg.eos_token_ids))
+    schema = obj(n=INT)
+
+    def follows(so: StructuredOutput, text: str) -> bool:
+        m = Matcher(grammars, after_reasoning(so, "</think>"), 8)
+        return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False)) and m.accept(
+            cfg.eos_token_ids[0]
+        )
+
+    js = StructuredOutput("json", json.dumps(schema))
+    assert follows(js, '<think>\nno {"n": x} yet</think>{"n": 7}')
+    assert not follows(js, 'ok</think>{"n": "seven"}')
+    assert not follows(js, '{"n": 7}')  # the reasoning has to end first
+    assert not follows(StructuredOutput("json", json.dumps(schema)), 'x</think>{"n": 7, "m": 1}')
+    assert follows(
+        StructuredOutput("json", json.dumps(schema), strict=False), 'x</think>{"n": 7, "m": 1}'
+    )
+    assert follows(StructuredOutput("choice", '["yes", "no"]'), "hmm</think>no")
+    assert not follows(StructuredOutput("regex", "[0-9]+"), "hmm</think>12a")
+    m = Matcher(grammars, after_reasoning(js, "</think>"), 8)
+    bitmask = allocate_bitmask(1, cfg.vocab_size)
+    m.fill(bitmask, 0)
+    allowed = unpack_bitmask(bitmask, cfg.vocab_size)[0]
+    assert allowed[:8192].sum() > 8000  # inside the reasoning nearly every token may come
+    for t in tok.encode("think about it</think>", add_special_tokens=False):
+        assert m.accept(t)
+    m.fill(bitmask, 0)
+    allowed = unpack_bitmask(bitmask, cfg.vocab_size)[0]
+    assert 0 < allowed.sum() < 50  # then only what starts {"n": ...
+
+
+def test_vllms_first_structural_tag_form_is_free_text_then_tags():
+    """vLLM's `structures` + `triggers` structural tag, as the API turns it into xgrammar's."""
+    from xllm_py.entrypoints.openai_protocol import _structural_tag
+    from xllm_py.structured import Matcher, grammars_for
+
+    llm = LLM(**OPTIONS)
+    tok, cfg = llm.get_tokenizer(), llm.engine.config.model
+    grammars = grammars_for(cfg.path, cfg.vocab_size, tuple(cfg.eos_token_ids))
+    spec = {"type": "structural_tag", "triggers": ["<n"],
+            "structures": [{"begin": "<n>", "schema": SCHEMAS[1], "end": "</n>"}]}  # fmt: skip
+    so = _structural_tag("structural_tag", json.dumps(spec))
+
+    def follows(text: str) -> bool:
+        m = Matcher(grammars, so, 8)
+        ids = tok.encode(text, add_special_tokens=False)
+        return all(m.accept(t) for t in ids) and m.accept(cfg.eos_token_ids[0])
+
+    assert follows('free text <n>{"n": 5}</n> more text')
+    assert follows("no tag at all")
+    assert not follows('free text <n>{"n": "five"}</n>')
+
+
 # ---- over HTTP --------------------------------------------------------------------------------
 
 
@@ -172,9 +238,15 @@ def test_the_request_forms_all_constrain(server):
                                lambda t: jsonschema.validate(json.loads(t), SCHEMAS[1]) is None),
         "guided_json": ({"guided_json": json.dumps(SCHEMAS[0])},
                         lambda t: json.loads(t)["answer"] in ("yes", "no", "maybe")),
+        "structural_tag": ({"structural_tag": json.dumps({"type": "structural_tag", "format": {
+                               "type": "sequence", "elements": [
+                                   {"type": "const_string", "value": "<n>"},
+                                   {"type": "json_schema", "json_schema": SCHEMAS[1],
+                                    "max_whitespace_cnt": 1}]}}), "max_tokens": 48},
+                           lambda t: t.startswith("<n>") and json.loads(t[3:])["n"] >= 0),
     }  # fmt: skip
     for name, (field, ok) in forms.items():
-        r = post(server, "/v1/completions", **base, **field)
+        r = post(server, "/v1/completions", **(base | field))
         assert r.status_code == 200, (name, r.text)
         assert ok(r.json()["choices"][0]["text"]), (name, r.json()["choices"][0]["text"])
     streamed = post(server, "/v1/completions", **base, stream=True, guided_choice=["red", "green"])

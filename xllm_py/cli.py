@@ -34,6 +34,7 @@ import threading
 import time
 
 from xllm_py.entrypoints.reasoning import PARSERS as REASONING_PARSERS
+from xllm_py.entrypoints.tool_parser import PARSERS as TOOL_CALL_PARSERS
 
 DEFAULT_PORT = 8000
 FAILURE_EXIT_DELAY_S = 2.0
@@ -130,6 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="deepseek_r1: chat answers carry the model's <think>...</think> text as "
         "message.reasoning_content (delta.reasoning_content when streaming), the rest as "
         "content; default: off (the thinking stays in content)",
+    )
+    flag(
+        "tool_call_parser",
+        default="",
+        choices=["", *TOOL_CALL_PARSERS],
+        help="deepseek_v3: chat requests may carry tools; the model's tool-call tokens come back "
+        "as OpenAI tool_calls (streamed as id and name, then argument fragments) with "
+        'finish_reason "tool_calls"; tool_choice "required" or a named function is enforced '
+        "by a grammar; default: off (tools other than with tool_choice none are a 400)",
+    )
+    boolean(
+        "enable_auto_tool_choice",
+        False,
+        'with --tool_call_parser: allow tool_choice "auto" (the default when a request gives '
+        "tools), where the model decides whether to call",
     )
     flag(
         "shutdown_timeout",
@@ -350,6 +366,8 @@ def check_args(a: argparse.Namespace) -> None:
         bad(f"--num_speculative_tokens={a.num_speculative_tokens}: must be >= 0")
     if a.cpu_threads < 0:
         bad(f"--cpu_threads={a.cpu_threads}: must be >= 0 (0 = automatic)")
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        bad("--enable_auto_tool_choice needs --tool_call_parser (deepseek_v3) to read the calls")
     if not 0 < a.port < 65536:
         bad(f"--port={a.port}: must be in 1..65535")
     for name in (
@@ -505,6 +523,8 @@ def build_server(a: argparse.Namespace):
             a.max_request_body_bytes,
             a.strict_request_fields,
             a.reasoning_parser,
+            a.tool_call_parser,
+            a.enable_auto_tool_choice,
         ),
         metrics,
     )

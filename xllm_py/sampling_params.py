@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """A grammar the output must follow (xllm_py/structured.py): a JSON schema (text), any
-    JSON object, a regular expression, a choice among strings (a JSON list), or an EBNF
-    grammar."""
+    JSON object, a regular expression, a choice among strings (a JSON list), an EBNF
+    grammar, or an xgrammar structural tag (JSON: tool calls, a grammar after reasoning)."""
 
     kind: str
     spec: str = ""  # "" for json_object

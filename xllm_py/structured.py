@@ -7,6 +7,9 @@ A request's `StructuredOutput` names a kind and its source text:
     regex        a regular expression             vLLM's guided_regex
     choice       a JSON list of strings           vLLM's guided_choice: exactly one of them
     grammar      an EBNF grammar (xgrammar's)     vLLM's guided_grammar
+    structural_tag  xgrammar's structural tag (JSON)  vLLM's structural_tag; tool calls
+                 with tool_choice "required" or named (entrypoints/tool_parser.py); any of
+                 the above after a reasoning block (`after_reasoning`)
 
 `Grammars` compiles each once per process for one tokenizer (StructuredOutput lives in
 sampling_params.py, so it crosses the cluster wire with the other parameters), and
@@ -81,6 +84,8 @@ class Grammars:
                 return c.compile_regex(so.spec)
             if so.kind == "choice":
                 return c.compile_grammar(choice_grammar(so.spec))
+            if so.kind == "structural_tag":
+                return c.compile_structural_tag(so.spec)
             return c.compile_grammar(so.spec)
         except ValueError:
             raise
@@ -102,6 +107,45 @@ def choice_grammar(spec: str) -> str:
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
         raise ValueError("must be a non-empty list of strings")
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def json_schema_grammar(schema: str, strict: bool) -> str:
+    """The EBNF grammar of a JSON schema, as `_compile` compiles it (separators fixed,
+    no free whitespace: a weak model cannot pad its output with blanks forever)."""
+    g = xgrammar().Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    return str(g)
+
+
+def _format(so: StructuredOutput) -> dict:
+    """The constraint as a structural-tag format: its own structural tag, or the EBNF
+    grammar xgrammar makes of it with the options `_compile` uses."""
+    if so.kind == "structural_tag":
+        spec = json.loads(so.spec)
+        return spec["format"] if isinstance(spec, dict) and "format" in spec else spec
+    if so.kind in ("json", "json_object"):
+        schema, strict = (
+            (so.spec, so.strict) if so.kind == "json" else ('{"type": "object"}', False)
+        )
+        grammar = json_schema_grammar(schema, strict)
+    elif so.kind == "regex":
+        grammar = str(xgrammar().Grammar.from_regex(so.spec))
+    else:
+        grammar = choice_grammar(so.spec) if so.kind == "choice" else so.spec
+    return {"type": "grammar", "grammar": grammar}
+
+
+def after_reasoning(so: StructuredOutput, end: str) -> StructuredOutput:
+    """`so`, applied only after the reasoning: any text up to and including `end` (e.g.
+    `</think>`) comes first, unconstrained, then the output follows `so`."""
+    think = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": end}
+    try:
+        fmt = {"type": "sequence", "elements": [think, _format(so)]}
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - xgrammar reports bad specs as RuntimeError
+        raise ValueError(f"does not compile: {str(e).strip().splitlines()[0]}") from e
+    spec = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
+    return StructuredOutput("structural_tag", spec)
 
 
 class Matcher:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import json
+from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 from jinja2.exceptions import SecurityError
 from tokenizers import Tokenizer as _HFTokenizer
@@ -71,28 +73,79 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `[{"role", "content"}, ...]` with the checkpoint's jinja2 chat template."""
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **template_kwargs,
+    ) -> str:
+        """Render `[{"role", "content", ...}, ...]` (and `tools`, OpenAI's function list)
+        with the checkpoint's jinja2 chat template, as HF `apply_chat_template(...,
+        tokenize=False)` renders it: messages normalised the same way, the same jinja2
+        options, filters and globals, and the tokenizer's special tokens as variables.
+        `template_kwargs` (vLLM's `chat_template_kwargs`) are further variables; they
+        cannot replace these."""
         if not self.chat_template:
             raise ValueError(
                 "messages: this checkpoint's tokenizer_config.json has no chat_template"
             )
+        variables = {
+            **template_kwargs,
+            **self.special_tokens(),
+            "messages": [_as_hf_message(m) for m in messages],
+            "tools": tools,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
-            return self._template(self.chat_template).render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=_token_text(self.config.get("bos_token")) or "",
-                eos_token=_token_text(self.config.get("eos_token")) or "",
-            )
+            return self._template(self.chat_template).render(**variables)
         except SecurityError as e:
             raise ChatTemplateRefused(
                 f"the checkpoint's chat template was refused by the sandbox: {e}"
             ) from None
 
+    def special_tokens(self) -> dict[str, str]:
+        """HF's special_tokens_map: bos_token, eos_token, ... as the config names them."""
+        names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
+        out = {n: _token_text(self.config[n]) for n in (*names, "mask_token") if n in self.config}
+        return {n: t for n, t in out.items() if t is not None}
+
     @staticmethod
     @functools.lru_cache(maxsize=8)
     def _template(source: str) -> jinja2.Template:
-        return _ChatSandbox(trim_blocks=True, lstrip_blocks=True).from_string(source)
+        env = _ChatSandbox(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(source)
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _as_hf_message(message: dict) -> dict:
+    """A message as HF's apply_chat_template hands it to the template: keys whose value is
+    None dropped (a tool-calling turn without text has no content), and its reasoning
+    under each name templates read it by."""
+    out = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((out[k] for k in REASONING_FIELDS if k in out), None)
+    if reasoning is not None:
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
+    return out
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """jinja2's own tojson escapes HTML characters; chat templates expect plain JSON."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
 
 
 class IncrementalDetokenizer:

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from xllm_py import __version__
-from xllm_py.entrypoints import reasoning
+from xllm_py.entrypoints import reasoning, tool_parser
 from xllm_py.entrypoints.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -57,7 +57,7 @@ from xllm_py.entrypoints.openai_protocol import (
 )
 from xllm_py.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
 from xllm_py.sampling_params import SamplingParams, StructuredOutput
-from xllm_py.structured import grammars_for
+from xllm_py.structured import after_reasoning, grammars_for
 
 DISCONNECT_POLL_S = 0.2
 # A structured-output grammar compiles in this pool, given this long (then the request
@@ -75,6 +75,8 @@ class ServerOptions:
     max_request_body_bytes: int = 1 << 20
     strict_request_fields: bool = False  # True: a field the server does not declare is a 400
     reasoning_parser: str = ""  # "deepseek_r1": chat answers split <think> (reasoning.py)
+    tool_call_parser: str = ""  # "deepseek_v3": tool calls parsed (tool_parser.py)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (with a parser)
 
 
 @dataclass
@@ -190,7 +192,10 @@ class OpenAIServer:
             raise APIError(400, "messages: this checkpoint has no tokenizer", param="messages")
         try:
             return self.tokenizer.apply_chat_template(
-                req.message_dicts(), add_generation_prompt=req.add_generation_prompt
+                req.message_dicts(),
+                add_generation_prompt=req.add_generation_prompt,
+                tools=req.tool_dicts(),
+                **(req.chat_template_kwargs or {}),
             )
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
@@ -232,14 +237,30 @@ class OpenAIServer:
             return None, ids[-truncate:]
         return text, ids
 
-    async def structured(self, req) -> StructuredOutput | None:
-        """The request's structured-output constraint, compiled once here (in a thread,
-        for at most GRAMMAR_COMPILE_TIMEOUT_S: a schema that takes longer is refused and
-        the event loop never waits on it); a 400 naming the field if it does not compile."""
+    async def structured(self, req, tools=None) -> StructuredOutput | None:
+        """The request's structured-output constraint (or `tools`: (field, the tool-call
+        grammar)), applied after the reasoning under --reasoning_parser, compiled once here
+        (in a thread, for at most GRAMMAR_COMPILE_TIMEOUT_S: a schema that takes longer is
+        refused and the event loop never waits on it); a 400 naming the field if it does not
+        compile."""
         found = req.structured_output()
+        if found is not None and tools is not None:
+            raise APIError(
+                400,
+                f"{found[0]}: one structured-output constraint per request (tool_choice "
+                f"{req.tool_choice if isinstance(req.tool_choice, str) else 'naming a function'}"
+                " constrains the output too)",
+                param=found[0],
+            )
+        found = found or tools
         if found is None:
             return None
         field, so = found
+        if isinstance(req, ChatCompletionRequest) and self.opts.reasoning_parser:
+            try:
+                so = after_reasoning(so, reasoning.END)
+            except ValueError as e:
+                raise APIError(400, f"{field}: {e}", param=field) from e
         cfg = self.engine.engine.config.model
         loop = asyncio.get_running_loop()
 
@@ -393,19 +414,23 @@ class OpenAIServer:
         model = ChatCompletionRequest if chat else CompletionRequest
         req = await self.read_body(request, model)
         self.admit(0)  # draining or dead: refuse before tokenizing anything
+        tools = None  # chat: (tool mode, the (field, grammar) of required or named calls)
         if chat:
+            mode, named = req.tool_mode(
+                self.opts.tool_call_parser, self.opts.enable_auto_tool_choice
+            )
+            grammar = None
+            if mode in ("required", "named"):
+                spec = tool_parser.tool_call_grammar(
+                    req.tool_dicts(), named, req.parallel_tool_calls
+                )
+                grammar = ("tool_choice", StructuredOutput("structural_tag", spec))
+            tools = (mode, grammar)
             text = self.render_chat(req)
             prompts, limit, logprobs = [text], req.output_limit, req.num_logprobs()
         else:
             prompts, limit, logprobs = req.prompts(), req.max_tokens, req.logprobs
-        structured = await self.structured(req)
-        if chat and structured is not None and self.opts.reasoning_parser:
-            raise APIError(
-                400,
-                "response_format: structured outputs together with --reasoning_parser are not "
-                "supported yet (the grammar would constrain the reasoning too)",
-                param="response_format",
-            )
+        structured = await self.structured(req, tools and tools[1])
         choices = self.choices(req, prompts, limit, logprobs, structured)
         self.admit(len(choices))  # each choice (prompt x n) is one engine request
         kind = "chat.completion" if chat else "text_completion"
@@ -418,16 +443,18 @@ class OpenAIServer:
             usage = "" if opts is None or not opts.include_usage else "end"
             if usage and opts.continuous_usage_stats:
                 usage = "every chunk"
-            gen = self._stream(req, chat, choices, head, kind, prompt_tokens, usage, slot)
+            gen = self._stream(req, chat, choices, head, kind, prompt_tokens, usage, slot, tools)
             # A stream cancelled before its first chunk never runs its `finally`.
             weakref.finalize(gen, slot.release)
             return StreamingResponse(gen, media_type="text/event-stream")
         try:
-            return await self._complete(request, req, chat, choices, head, kind, prompt_tokens)
+            return await self._complete(
+                request, req, chat, choices, head, kind, prompt_tokens, tools
+            )
         finally:
             slot.release()
 
-    async def _complete(self, request, req, chat, choices, head, kind, prompt_tokens):
+    async def _complete(self, request, req, chat, choices, head, kind, prompt_tokens, tools):
         texts = {c.index: "" for c in choices}
         ids: dict[int, list[int]] = {c.index: [] for c in choices}
         lps: dict[int, list] = {c.index: [] for c in choices}
@@ -475,6 +502,15 @@ class OpenAIServer:
                 if self.opts.reasoning_parser:
                     thought, answer = reasoning.split(texts[c.index])
                     entry["message"] |= {"content": answer, "reasoning_content": thought}
+                if tools[0] != "none":
+                    content, calls = tool_parser.parse(
+                        entry["message"]["content"] or "", req.parallel_tool_calls
+                    )
+                    if calls:
+                        entry["message"]["content"] = content
+                        entry["message"]["tool_calls"] = [call.openai() for call in calls]
+                        if u.finish_reason == "stop":
+                            entry["finish_reason"] = "tool_calls"
                 entry["logprobs"] = (
                     None if want is None else self.chat_logprobs(lps[c.index], ids[c.index], want)
                 )
@@ -507,14 +543,21 @@ class OpenAIServer:
             },
         }
 
-    async def _stream(self, req, chat, choices, head, kind, prompt_tokens, usage, slot):
+    async def _stream(self, req, chat, choices, head, kind, prompt_tokens, usage, slot, tools):
         """usage: "" none, "end" a usage chunk at the end (include_usage), "every chunk"
-        also the usage so far in every chunk (continuous_usage_stats)."""
+        also the usage so far in every chunk (continuous_usage_stats); tools: as `handle`
+        found them (chat only)."""
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         sent = {c.index: 0 for c in choices}  # characters of text already streamed
         # chat with --reasoning_parser: each choice's text split into reasoning and answer
         parse = chat and self.opts.reasoning_parser
         splitters = {c.index: reasoning.StreamSplitter() for c in choices} if parse else {}
+        # chat with tool calls: each choice's answer read for them
+        calls = (
+            {c.index: tool_parser.ToolCallStream(req.parallel_tool_calls) for c in choices}
+            if chat and tools[0] != "none"
+            else {}
+        )
         # completions with echo: the prompt goes first, in the choice's first chunk
         echo_pending = {c.index for c in choices} if not chat and req.echo else set()
         offsets = {c.index: 0 for c in choices}
@@ -576,14 +619,18 @@ class OpenAIServer:
                         offsets[c.index] += sum(len(t) for t in lp.get("tokens", []))
                     body = {"index": c.index, "logprobs": lp, "finish_reason": u.finish_reason}
                     if chat:
-                        body["delta"] = {"content": delta} if delta else {}
+                        thought, answer = "", delta
                         if c.index in splitters:
                             thought, answer = splitters[c.index].feed(delta, final=u.finished)
-                            body["delta"] = {
-                                k: v
-                                for k, v in (("reasoning_content", thought), ("content", answer))
-                                if v
-                            }
+                        body["delta"] = {"reasoning_content": thought} if thought else {}
+                        if c.index in calls:
+                            body["delta"] |= calls[c.index].feed(answer, final=u.finished)
+                            if u.finish_reason == "stop" and calls[c.index].calls:
+                                body["finish_reason"] = "tool_calls"
+                        elif answer:
+                            body["delta"]["content"] = answer
+                        if not body["delta"] and not u.finished and lp is None:
+                            continue  # all of it held back (a tag or a call's header)
                     else:
                         body["text"] = delta
                     if u.finished:

@@ -114,7 +114,7 @@ IGNORED_FIELDS = frozenset(
         "metadata",
         "store",
         "service_tier",
-        "parallel_tool_calls",
+        "parallel_tool_calls",  # completions (chat honours it)
         "prompt_cache_key",
         "safety_identifier",
         "request_id",
@@ -135,7 +135,6 @@ REFUSED_FIELDS: dict[str, tuple] = {
     "bad_words": (None, []),
     "guided_decoding_backend": (None, "xgrammar", "auto"),
     "guided_whitespace_pattern": (None,),
-    "structural_tag": (None,),
     "logits_processors": (None,),
     "prompt_embeds": (None,),
     "audio": (None,),
@@ -146,7 +145,6 @@ REFUSED_FIELDS: dict[str, tuple] = {
     "modalities": (None, ["text"]),
     "continue_final_message": (None, False),
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "documents": (None,),
     "mm_processor_kwargs": (None,),
     "add_special_tokens": (None, True),
@@ -155,8 +153,6 @@ REFUSED_FIELDS: dict[str, tuple] = {
     "return_token_ids": (None, False),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
-    "messages.tool_calls": (None, []),
-    "messages.tool_call_id": (None,),
 }
 
 
@@ -228,6 +224,7 @@ class _Common(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    structural_tag: str | None = None  # vLLM (older form of structured_outputs.structural_tag)
 
     def structured_output(self) -> tuple[str, StructuredOutput] | None:
         """(the field that asked, the constraint), or None; a 400 naming the field for a
@@ -254,6 +251,8 @@ class _Common(_Body):
             yield "guided_choice", _choice("guided_choice", self.guided_choice)
         if self.guided_grammar is not None:
             yield "guided_grammar", StructuredOutput("grammar", self.guided_grammar)
+        if self.structural_tag is not None:
+            yield "structural_tag", _structural_tag("structural_tag", self.structural_tag)
         so = self.structured_outputs
         if so:
             given = {k: v for k, v in so.items() if v not in (None, False)}
@@ -261,7 +260,7 @@ class _Common(_Body):
                 raise APIError(
                     400,
                     "structured_outputs: give exactly one of json, json_object, regex, choice, "
-                    f"grammar (got {sorted(given) or 'none'})",
+                    f"grammar, structural_tag (got {sorted(given) or 'none'})",
                     param="structured_outputs",
                 )
             ((key, value),) = given.items()
@@ -272,6 +271,8 @@ class _Common(_Body):
                 yield "structured_outputs", StructuredOutput("json_object")
             elif key == "choice":
                 yield "structured_outputs", _choice(name, value)
+            elif key == "structural_tag" and isinstance(value, str):
+                yield "structured_outputs", _structural_tag(name, value)
             elif key in ("regex", "grammar") and isinstance(value, str):
                 yield "structured_outputs", StructuredOutput(key, value)
             else:
@@ -384,10 +385,25 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends JSON text; HF templates also take a dict
+
+
+class ToolCallIn(_Body):
+    """A call an earlier assistant turn made (rendered by the chat template)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -395,39 +411,117 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+class FunctionDef(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (an object)
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class _Chat(_Body):
+    """What chat rendering takes (chat completions and /tokenize)."""
+
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: more template variables
+
+    def message_dicts(self) -> list[dict]:
+        """Messages as the chat template takes them (HF's shape: a tool-calling assistant
+        turn without text has content None, as DeepSeek-V3's template expects)."""
+        out = []
+        for m in self.messages or []:
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+                if m.content is None:
+                    d["content"] = None
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def extra_fields(self, prefix: str = "") -> dict[str, Any]:
         out = super().extra_fields(prefix)
-        for m in self.messages:
+        for m in self.messages or []:
             out.update(m.extra_fields("messages."))
             if isinstance(m.content, list):
                 for part in m.content:
                     out.update(part.extra_fields("messages.content."))
         return out
 
+
+class ChatCompletionRequest(_Chat, _Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise APIError(
-                400, "tools: tool calling is not supported by this server", param="tools"
-            )
-        if self.tool_choice not in (None, "none"):
-            raise APIError(
-                400,
-                "tool_choice: tool calling is not supported by this server",
-                param="tool_choice",
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
+
+    def tool_mode(self, parser: str, auto_enabled: bool) -> tuple[str, str | None]:
+        """("none" | "auto" | "required" | "named", the named function): what this request
+        asks of tool calls on a server with `parser` (--tool_call_parser) and
+        --enable_auto_tool_choice; a 400 naming the field when it cannot be done."""
+        choice = self.tool_choice
+        if choice is None:
+            choice = "auto" if self.tools else "none"
+        if choice == "none":
+            return "none", None
+        if not self.tools:
+            raise APIError(400, "tool_choice: needs tools", param="tool_choice")
+        if not parser:
+            raise APIError(
+                400,
+                "tools: this server parses no tool calls (start it with "
+                "--tool_call_parser=deepseek_v3), so only tool_choice none is possible",
+                param="tools",
+            )
+        if choice == "auto":
+            if not auto_enabled:
+                raise APIError(
+                    400,
+                    'tool_choice: "auto" needs a server started with --enable_auto_tool_choice '
+                    '(the default when tools are given; "none", "required" or a named function '
+                    "work without it)",
+                    param="tool_choice",
+                )
+            return "auto", None
+        if choice == "required":
+            return "required", None
+        names = [t.function.name for t in self.tools]
+        if choice.function.name not in names:
+            raise APIError(
+                400,
+                f"tool_choice: function {choice.function.name!r} is not among the tools {names}",
+                param="tool_choice",
+            )
+        return "named", choice.function.name
 
     @property
     def output_limit(self) -> int | None:
@@ -436,30 +530,18 @@ class ChatCompletionRequest(_Common):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def message_dicts(self) -> list[dict]:
-        return message_dicts(self.messages)
 
-
-def message_dicts(messages: list[ChatMessage] | None) -> list[dict]:
-    """Messages as the chat template takes them."""
-    return [{"role": m.role, "content": m.text()} for m in messages or []]
-
-
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Chat):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     def check_unsupported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt and messages", param="prompt")
-
-    def message_dicts(self) -> list[dict]:
-        return message_dicts(self.messages)
 
 
 class DetokenizeRequest(_Body):
@@ -479,6 +561,35 @@ def _json_constraint(name: str, schema: Any) -> StructuredOutput:
     if not isinstance(schema, dict):
         raise APIError(400, f"{name}: a JSON schema must be an object", param=name.split(".")[0])
     return StructuredOutput("json", json.dumps(schema), strict=True)
+
+
+def _structural_tag(name: str, text: str) -> StructuredOutput:
+    """vLLM's structural tag: xgrammar's own JSON, or vLLM's first form (`structures` of
+    begin, JSON schema, end, and `triggers` that start them), which is made xgrammar's."""
+    try:
+        tag = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"{name}: not valid JSON ({e})", param=name.split(".")[0]) from e
+    if isinstance(tag, dict) and "structures" in tag:
+        try:
+            tags = [
+                {
+                    "type": "tag",
+                    "begin": s["begin"],
+                    "content": {"type": "json_schema", "json_schema": s["schema"]},
+                    "end": s["end"],
+                }
+                for s in tag["structures"]
+            ]
+            fmt = {"type": "triggered_tags", "triggers": tag["triggers"], "tags": tags}
+        except (KeyError, TypeError) as e:
+            msg = f"{name}: structures need begin, schema and end, and triggers are needed ({e})"
+            raise APIError(400, msg, param=name.split(".")[0]) from e
+        tag = {"type": "structural_tag", "format": fmt}
+    if not isinstance(tag, dict) or tag.get("type") != "structural_tag":
+        msg = f'{name}: must be a JSON object with "type": "structural_tag"'
+        raise APIError(400, msg, param=name.split(".")[0])
+    return StructuredOutput("structural_tag", json.dumps(tag, ensure_ascii=False))
 
 
 def _choice(name: str, choices: Any) -> StructuredOutput:

@@ -8,7 +8,9 @@ usually has only the closing tag: everything before `</think>` is reasoning, a l
 `<think>` (older templates) is dropped, and an output that never closes its thinking
 (cut short by max_tokens) is all reasoning with no content. The split works on text, so
 it holds whether the tags are special tokens or spelled out in several tokens; streamed
-text that could still become `</think>` is held back until it cannot.
+text that could still become `</think>` is held back until it cannot. Under the parser a
+structured-output grammar applies after `</think>` only (structured.py's
+`after_reasoning`), and tool calls are read from the answer.
 """
 
 from __future__ import annotations
