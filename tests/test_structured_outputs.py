@@ -116,6 +116,15 @@ def test_greedy_output_is_identical_under_mtp(prompts, plain, k):
     assert 0 < m.accepted_tokens < m.draft_tokens
 
 
+def test_a_bitmask_filled_during_the_forward_gives_the_same_tokens(prompts, plain):
+    """overlap_grammar (the default on accelerators) forced on here, on CPU."""
+    llm = LLM(num_speculative_tokens=1, **OPTIONS)
+    llm.engine.core.executor.worker.runner.overlap_grammar = True
+    reqs = [(p, params(s)) for s in SCHEMAS[:5] for p in prompts]
+    outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.token_ids for o in plain[: len(reqs)]]
+
+
 SAMPLED_SCHEMA = obj(word=WORD, n={"type": "integer", "minimum": 0, "maximum": 9})
 SAMPLES = 1500
 

@@ -10,11 +10,16 @@ step's diffs), lays the step's tokens out as one flat batch
 
 runs the model once, computes logits only at the sample rows and samples. Requests
 that asked for prompt logprobs also get logits at their prompt rows, PROMPT_LOGPROBS_ROWS
-rows at a time (never a whole prompt x vocab tensor).
+rows at a time (never a whole prompt x vocab tensor). The grammar bitmask of structured
+outputs depends only on the step's rows and drafts, so on an accelerator it is filled in
+a helper thread while the model runs (`overlap_grammar`) and waited for only before
+sampling. On CPU the forward already keeps every core busy and the thread only competes
+with it (perf/structured_cost.py measured no gain), so there it is filled in line.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +48,8 @@ from xllm_py.worker.sampler import (
 # Prompt rows whose logits (rows x vocab floats) exist at once while prompt logprobs are
 # computed: 256 x DeepSeek-V3's 129,280 x 4 bytes = 132 MB, twice with the log-softmax.
 PROMPT_LOGPROBS_ROWS = 256
+# One thread fills grammar bitmasks during the forward; xgrammar releases the GIL.
+_GRAMMAR_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xllm-bitmask")
 
 
 @dataclass
@@ -83,6 +90,8 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         self.proposer: MTPProposer | None = None  # set by the worker when drafting is on
         self.graphs: GraphRunner | None = None  # set by the worker in graph mode
+        # fill grammar bitmasks while the forward runs (False: after it, in this thread)
+        self.overlap_grammar = device.type != "cpu"
 
     def _apply_diffs(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -128,6 +137,7 @@ class ModelRunner:
                 for j in range(len(drafts) + 1):  # samples the token after it
                     sample_rows.append(start + known - 1 + j)
                     sample_reqs.append((i, j))
+        grammar = self._start_grammar(req_ids, sample_reqs, sched.spec_token_ids)
         bucket = None
         if self.graphs is not None and len(sample_rows) == len(input_ids):
             bucket = self.graphs.bucket_for(layouts)  # uniform decode / verification
@@ -141,7 +151,7 @@ class ModelRunner:
             logits = self.model.compute_logits(
                 hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
             )
-        out = self._sample(req_ids, sample_reqs, logits, sched.spec_token_ids)
+        out = self._sample(req_ids, sample_reqs, logits, sched.spec_token_ids, grammar)
         out.prompt_logprobs = self._prompt_logprobs(req_ids, layouts, hidden)
         if self.proposer is not None:
             out.draft_token_ids = self._propose(req_ids, sched, layouts, out, hidden)
@@ -159,16 +169,16 @@ class ModelRunner:
         sample_reqs: list[tuple[int, int]],
         logits: torch.Tensor,
         spec: dict[str, list[int]],
+        grammar: concurrent.futures.Future | None = None,
     ) -> ModelRunnerOutput:
-        """One token per request, or with drafts, the verified run (rejection_sampler)."""
+        """One token per request, or with drafts, the verified run (rejection_sampler);
+        `grammar`: the bitmask `_start_grammar` began filling."""
         rows = [(self.requests[req_ids[i]], j) for i, j in sample_reqs]
         batch = self._sampling_batch(rows)
         batch.adjust = self._logit_adjust(
             rows, [spec.get(req_ids[i], [])[:j] for i, j in sample_reqs]
         )
-        batch.grammar = self._grammar_bitmask(
-            rows, [spec.get(req_ids[i], []) for i, _ in sample_reqs]
-        )
+        batch.grammar = None if grammar is None else grammar.result()
         out_tokens: list[list[int]] = [[] for _ in req_ids]
         if not spec:
             tokens, chosen, top = self.sampler(logits, batch)
@@ -212,6 +222,22 @@ class ModelRunner:
             if matcher.terminated or not matcher.accept(t):
                 break
         return matcher
+
+    def _start_grammar(
+        self, req_ids: list[str], sample_reqs: list[tuple[int, int]], spec: dict[str, list[int]]
+    ) -> concurrent.futures.Future | None:
+        """The step's grammar bitmask, being filled (in the helper thread with
+        overlap_grammar, while the forward runs: nothing else touches the matchers until
+        sampling waits for it); None when no sampled request follows a grammar."""
+        rows = [(self.requests[req_ids[i]], j) for i, j in sample_reqs]
+        if not any(r.matcher is not None for r, _ in rows):
+            return None
+        drafts = [spec.get(req_ids[i], []) for i, _ in sample_reqs]
+        if self.overlap_grammar:
+            return _GRAMMAR_THREAD.submit(self._grammar_bitmask, rows, drafts)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(self._grammar_bitmask(rows, drafts))
+        return done
 
     def _grammar_bitmask(
         self, rows: list[tuple[RunnerRequest, int]], drafts: list[list[int]]
