@@ -7,6 +7,7 @@ the same distribution. Over HTTP: OpenAI's `response_format`, vLLM's guided_* an
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import httpx
@@ -285,3 +286,28 @@ def test_bad_constraints_are_400s_naming_the_field(server, field, body):
     r = post(server, "/v1/completions", prompt="Hi", max_tokens=4, **body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field, r.text
+
+
+def test_a_schema_that_compiles_too_long_is_refused_and_holds_nobody_up():
+    """200 pattern-constrained string properties take about 1.6 s to compile here; with
+    --grammar_compile_timeout=0.2 the request is a 400 naming the field, while a plain
+    request sent alongside it is answered."""
+    slow = {
+        "type": "object",
+        "properties": {
+            f"p{i}": {
+                "type": "string",
+                "pattern": f"^[a-z]{{{i % 7 + 1},{i % 11 + 8}}}[0-9]{{2,5}}$",
+            }
+            for i in range(200)
+        },
+    }
+    body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
+    with Server("--dtype=float32", "--grammar_compile_timeout=0.2") as s:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            refused = pool.submit(post, s, "/v1/completions", **body, guided_json=slow)
+            plain = pool.submit(post, s, "/v1/completions", **body)
+            r, p = refused.result(), plain.result()
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json"
+        assert "--grammar_compile_timeout" in r.json()["error"]["message"]
+        assert p.status_code == 200 and p.json()["choices"][0]["finish_reason"] == "length"

@@ -148,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
         "tools), where the model decides whether to call",
     )
     flag(
+        "grammar_compile_timeout",
+        type=float,
+        default=10.0,
+        help="seconds a structured-output grammar (JSON schema, regex, ...) the server has not "
+        "seen before may take to compile; a longer one is a 400 naming the field. Compiles run "
+        "off the event loop, one at a time, so a slow one never holds up other requests",
+    )
+    flag(
         "shutdown_timeout",
         type=float,
         default=30.0,
@@ -366,6 +374,8 @@ def check_args(a: argparse.Namespace) -> None:
         bad(f"--num_speculative_tokens={a.num_speculative_tokens}: must be >= 0")
     if a.cpu_threads < 0:
         bad(f"--cpu_threads={a.cpu_threads}: must be >= 0 (0 = automatic)")
+    if not a.grammar_compile_timeout > 0:
+        bad(f"--grammar_compile_timeout={a.grammar_compile_timeout}: must be > 0 seconds")
     if a.enable_auto_tool_choice and not a.tool_call_parser:
         bad("--enable_auto_tool_choice needs --tool_call_parser (deepseek_v3) to read the calls")
     if not 0 < a.port < 65536:
@@ -525,6 +535,7 @@ def build_server(a: argparse.Namespace):
             a.reasoning_parser,
             a.tool_call_parser,
             a.enable_auto_tool_choice,
+            a.grammar_compile_timeout,
         ),
         metrics,
     )

@@ -60,9 +60,9 @@ from xllm_py.sampling_params import SamplingParams, StructuredOutput
 from xllm_py.structured import after_reasoning, grammars_for
 
 DISCONNECT_POLL_S = 0.2
-# A structured-output grammar compiles in this pool, given this long (then the request
-# is a 400); one thread: a slow schema delays only other schemas' first compile.
-GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+# A structured-output grammar compiles in this pool, given --grammar_compile_timeout
+# (then the request is a 400); one thread: a slow schema delays only other schemas' first
+# compile, never the event loop.
 _GRAMMAR_POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xllm-grammar")
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class ServerOptions:
     reasoning_parser: str = ""  # "deepseek_r1": chat answers split <think> (reasoning.py)
     tool_call_parser: str = ""  # "deepseek_v3": tool calls parsed (tool_parser.py)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (with a parser)
+    grammar_compile_timeout: float = 10.0  # seconds a new grammar may take to compile
 
 
 @dataclass
@@ -240,7 +241,7 @@ class OpenAIServer:
     async def structured(self, req, tools=None) -> StructuredOutput | None:
         """The request's structured-output constraint (or `tools`: (field, the tool-call
         grammar)), applied after the reasoning under --reasoning_parser, compiled once here
-        (in a thread, for at most GRAMMAR_COMPILE_TIMEOUT_S: a schema that takes longer is
+        (in a thread, for at most --grammar_compile_timeout: a schema that takes longer is
         refused and the event loop never waits on it); a 400 naming the field if it does not
         compile."""
         found = req.structured_output()
@@ -269,10 +270,11 @@ class OpenAIServer:
 
         try:
             await asyncio.wait_for(
-                loop.run_in_executor(_GRAMMAR_POOL, compile_it), GRAMMAR_COMPILE_TIMEOUT_S
+                loop.run_in_executor(_GRAMMAR_POOL, compile_it), self.opts.grammar_compile_timeout
             )
         except TimeoutError as e:
-            msg = f"{field}: took more than {GRAMMAR_COMPILE_TIMEOUT_S:g} s to compile"
+            limit = self.opts.grammar_compile_timeout
+            msg = f"{field}: took more than {limit:g} s to compile (--grammar_compile_timeout)"
             raise APIError(400, msg, param=field) from e
         except ValueError as e:
             raise APIError(400, f"{field}: {e}", param=field) from e
