@@ -288,6 +288,17 @@ def test_bad_constraints_are_400s_naming_the_field(server, field, body):
     assert r.json()["error"]["param"] == field, r.text
 
 
+def test_tools_on_a_server_without_a_tool_call_parser_are_a_400(server):
+    """This server has no --tool_call_parser: tools are refused unless tool_choice is none
+    (then they are only rendered)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "tools": [tool]}
+    for choice in (None, "auto", "required"):
+        r = post(server, "/v1/chat/completions", **body, tool_choice=choice)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert post(server, "/v1/chat/completions", **body, tool_choice="none").status_code == 200
+
+
 def test_a_schema_that_compiles_too_long_is_refused_and_holds_nobody_up():
     """200 pattern-constrained string properties take about 1.6 s to compile here; with
     --grammar_compile_timeout=0.2 the request is a 400 naming the field, while a plain
