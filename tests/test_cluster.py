@@ -31,6 +31,7 @@ from xllm_py.distributed.wire import (
     sched_to_pb,
 )
 from xllm_py.entrypoints.llm import engine_config
+from xllm_py.entrypoints.tool_parser import tool_call_grammar
 from xllm_py.executor.messages import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -81,6 +82,12 @@ def test_sampling_params_round_trip():
         SamplingParams(prompt_logprobs=5),
         SamplingParams(structured=StructuredOutput("json", '{"type": "object"}', strict=False)),
         SamplingParams(structured=StructuredOutput("json_object")),
+        # tool_choice "required": a structural tag, DeepSeek's tool tokens and all
+        SamplingParams(
+            structured=StructuredOutput(
+                "structural_tag", tool_call_grammar([{"function": {"name": "f"}}], None, True)
+            )
+        ),
     ):
         assert sampling_from_pb(sampling_to_pb(sp)) == sp
 
