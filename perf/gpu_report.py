@@ -366,8 +366,8 @@ def install_oracle(llm, reference: dict, k: int) -> list[int]:
     runner.proposer = OracleProposer(runner, reference, k, inner=runner.proposer)
     sample, tally = runner._sample, [0, 0]
 
-    def pinned(req_ids, sample_reqs, logits, spec):
-        out = sample(req_ids, sample_reqs, logits, spec)
+    def pinned(req_ids, sample_reqs, logits, spec, grammar=None):
+        out = sample(req_ids, sample_reqs, logits, spec, grammar)
         for i, got in enumerate(out.sampled_token_ids):
             req = runner.requests[req_ids[i]]
             n, full = len(req.token_ids), reference[tuple(req.token_ids[: req.num_prompt_tokens])]

@@ -26,7 +26,7 @@ from tests.ranks import run_ranks, use_parallel_workers
 from xllm_py import LLM, SamplingParams
 from xllm_py.sharegpt import held_out_user_turns
 
-SAMPLES = 2000  # per arm
+SAMPLES = 1500  # per arm
 MAX_TOKENS = 5  # k = 3 drafts fit after the prefill's token
 BLOCK = 16
 SETTINGS = {
