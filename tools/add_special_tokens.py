@@ -33,6 +33,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from xllm_py.weights.loader import tensor_files
+
 # DeepSeek-V3's tool-call and tool-output markers, as its tokenizer spells them
 DEEPSEEK_TOOL_TOKENS = (
     "<｜tool▁calls▁begin｜>",
@@ -45,17 +47,6 @@ DEEPSEEK_TOOL_TOKENS = (
     "<｜tool▁output▁begin｜>",
     "<｜tool▁output▁end｜>",
 )
-
-
-def _shard_map(model_dir: Path) -> dict[str, str]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
-    single = model_dir / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"--model: no model.safetensors(.index.json) in {model_dir}")
-    with safe_open(str(single), "pt") as f:
-        return {name: single.name for name in f.keys()}
 
 
 def add_tokens(
@@ -98,11 +89,7 @@ def add_tokens(
     new_vocab = max(old_vocab, -(-next_id // pad_to) * pad_to)
     grown = []
     if new_vocab > old_vocab:
-        by_shard: dict[str, list[str]] = {}
-        for name, shard in _shard_map(dst).items():
-            by_shard.setdefault(shard, []).append(name)
-        for shard in sorted(by_shard):
-            path = dst / shard
+        for path in sorted(set(tensor_files(dst).values())):
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata()
                 tensors = {n: f.get_tensor(n) for n in f.keys()}

@@ -22,6 +22,7 @@ request brings it, inside that step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -73,13 +74,10 @@ class Grammars:
 
     def _compile(self, so: StructuredOutput):
         c = self.compiler
-        try:
-            if so.kind == "json":
-                return c.compile_json_schema(so.spec, any_whitespace=False, strict_mode=so.strict)
-            if so.kind == "json_object":  # OpenAI's: an object (xgrammar's builtin JSON
-                return c.compile_json_schema(  # grammar would allow any value)
-                    '{"type": "object"}', any_whitespace=False, strict_mode=False
-                )
+        with _spec_errors():
+            if so.kind in ("json", "json_object"):
+                schema, strict = _json_schema(so)
+                return c.compile_json_schema(schema, any_whitespace=False, strict_mode=strict)
             if so.kind == "regex":
                 return c.compile_regex(so.spec)
             if so.kind == "choice":
@@ -87,12 +85,27 @@ class Grammars:
             if so.kind == "structural_tag":
                 return c.compile_structural_tag(so.spec)
             return c.compile_grammar(so.spec)
-        except ValueError:
-            raise
-        except Exception as e:  # noqa: BLE001 - xgrammar reports bad specs as RuntimeError
-            first = str(e).strip().splitlines()[0]
-            first = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first)  # xgrammar's time and source
-            raise ValueError(f"does not compile: {first}") from e
+
+
+def _json_schema(so: StructuredOutput) -> tuple[str, bool]:
+    """(schema text, strict) of a json or json_object constraint: json_object is OpenAI's
+    any object (xgrammar's builtin JSON grammar would allow any value)."""
+    return (so.spec, so.strict) if so.kind == "json" else ('{"type": "object"}', False)
+
+
+@contextlib.contextmanager
+def _spec_errors():
+    """xgrammar reports a bad spec as RuntimeError (or another type): raised here as a
+    ValueError saying what does not compile, its first line without xgrammar's time and
+    source location."""
+    try:
+        yield
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        first = str(e).strip().splitlines()[0]
+        first = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first)
+        raise ValueError(f"does not compile: {first}") from e
 
 
 @functools.lru_cache(maxsize=4)
@@ -123,10 +136,7 @@ def _format(so: StructuredOutput) -> dict:
         spec = json.loads(so.spec)
         return spec["format"] if isinstance(spec, dict) and "format" in spec else spec
     if so.kind in ("json", "json_object"):
-        schema, strict = (
-            (so.spec, so.strict) if so.kind == "json" else ('{"type": "object"}', False)
-        )
-        grammar = json_schema_grammar(schema, strict)
+        grammar = json_schema_grammar(*_json_schema(so))
     elif so.kind == "regex":
         grammar = str(xgrammar().Grammar.from_regex(so.spec))
     else:
@@ -138,12 +148,8 @@ def after_reasoning(so: StructuredOutput, end: str) -> StructuredOutput:
     """`so`, applied only after the reasoning: any text up to and including `end` (e.g.
     `</think>`) comes first, unconstrained, then the output follows `so`."""
     think = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": end}
-    try:
+    with _spec_errors():
         fmt = {"type": "sequence", "elements": [think, _format(so)]}
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - xgrammar reports bad specs as RuntimeError
-        raise ValueError(f"does not compile: {str(e).strip().splitlines()[0]}") from e
     spec = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
     return StructuredOutput("structural_tag", spec)
 

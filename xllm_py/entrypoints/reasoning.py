@@ -29,10 +29,12 @@ def split(text: str) -> tuple[str | None, str | None]:
     return reasoning, content or None
 
 
-def _partial_end(text: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `</think>`."""
-    for n in range(min(len(END) - 1, len(text)), 0, -1):
-        if END.startswith(text[-n:]):
+def held_back(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`: what a
+    stream must hold back because the next delta could complete the marker (also used by
+    tool_parser.py)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
             return n
     return 0
 
@@ -62,6 +64,6 @@ class StreamSplitter:
             reasoning, content = text.split(END, 1)
             self.pending, self.done_thinking = "", True
             return reasoning, content
-        hold = 0 if final else _partial_end(text)
+        hold = 0 if final else held_back(text, END)
         self.pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], ""

@@ -31,6 +31,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from xllm_py.entrypoints.reasoning import held_back
 from xllm_py.structured import json_schema_grammar
 
 PARSERS = ("deepseek_v3",)
@@ -42,14 +43,6 @@ SEP = "<｜tool▁sep｜>"
 FENCE_OPEN = "```json\n"
 FENCE_CLOSE = "\n```"
 _HEADER = re.compile(r"([^<\n]*)" + re.escape(SEP) + r"([^\n]*)\n```(?:json)?\n")
-
-
-def _held(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def new_call_id() -> str:
@@ -96,7 +89,7 @@ class ToolCallStream:
                     self.pos += i + len(CALLS_BEGIN)
                     self.state = "calls"
                     continue
-                keep = 0 if final else _held(rest, CALLS_BEGIN)
+                keep = 0 if final else held_back(rest, CALLS_BEGIN)
                 content.append(rest[: len(rest) - keep])
                 self.pos += len(rest) - keep
                 break
@@ -146,7 +139,7 @@ class ToolCallStream:
                         args = args[: -len(FENCE_CLOSE)]
                     self.pos += end + len(CALL_END)
                 else:
-                    keep = 0 if final else _held(rest, FENCE_CLOSE + CALL_END)
+                    keep = 0 if final else held_back(rest, FENCE_CLOSE + CALL_END)
                     args = rest[: len(rest) - keep]
                 if self.state == "arguments" and len(args) > self.sent_args:
                     self.calls[-1].arguments += args[self.sent_args :]

@@ -241,14 +241,13 @@ class ModelRunner:
 
     def _grammar_bitmask(
         self, rows: list[tuple[RunnerRequest, int]], drafts: list[list[int]]
-    ) -> tuple[torch.Tensor, list[int]] | None:
-        """The bitmask of the rows whose requests follow a grammar: row (request, j) allows
-        what may follow the request's outputs and its drafts d_1..d_j. A draft the grammar
-        refuses ends the request's masks there: verification rejects it (the row before
-        gives it probability 0), so the rows after it are never used."""
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The bitmask of the rows whose requests follow a grammar (`_start_grammar` calls
+        it when at least one does): row (request, j) allows what may follow the request's
+        outputs and its drafts d_1..d_j. A draft the grammar refuses ends the request's
+        masks there: verification rejects it (the row before gives it probability 0), so
+        the rows after it are never used."""
         picked = [row for row, (r, _) in enumerate(rows) if r.matcher is not None]
-        if not picked:
-            return None
         bitmask = allocate_bitmask(len(picked), self.vocab_size)  # all allowed
         followed: dict[int, int] = {}  # id(request) -> drafts its matcher took (to undo)
         refused: set[int] = set()
