@@ -16,10 +16,13 @@ import openai
 import pytest
 
 from tests.chisquare import ALPHA, homogeneity
+from tests.grammar_utils import bundled, bundled_matcher, follows
 from tests.server_utils import Server
 from tests.test_bundled_model import held_out_user_turns
 from xllm_py import LLM, SamplingParams
+from xllm_py.entrypoints.openai_protocol import _structural_tag
 from xllm_py.sampling_params import StructuredOutput
+from xllm_py.structured import after_reasoning, allocate_bitmask, unpack_bitmask
 
 pytest.importorskip("xgrammar")
 
@@ -148,36 +151,23 @@ def test_sampled_output_under_a_schema_keeps_its_distribution(prompts):
 def test_under_a_reasoning_parser_the_grammar_starts_after_the_reasoning():
     """after_reasoning: any text up to </think>, unconstrained (the bitmask allows every
     token), then the constraint."""
-    from xllm_py.structured import (
-        Matcher,
-        after_reasoning,
-        allocate_bitmask,
-        grammars_for,
-        unpack_bitmask,
-    )
-
-    llm = LLM(**OPTIONS)
-    tok, cfg = llm.get_tokenizer(), llm.engine.config.model
-    grammars = grammars_for(cfg.path, cfg.vocab_size, tuple(cfg.eos_token_ids))
+    tok, cfg = bundled()
     schema = obj(n=INT)
 
-    def follows(so: StructuredOutput, text: str) -> bool:
-        m = Matcher(grammars, after_reasoning(so, "</think>"), 8)
-        return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False)) and m.accept(
-            cfg.eos_token_ids[0]
-        )
+    def follows_after(so: StructuredOutput, text: str) -> bool:
+        return follows(after_reasoning(so, "</think>"), text)
 
     js = StructuredOutput("json", json.dumps(schema))
-    assert follows(js, '<think>\nno {"n": x} yet</think>{"n": 7}')
-    assert not follows(js, 'ok</think>{"n": "seven"}')
-    assert not follows(js, '{"n": 7}')  # the reasoning has to end first
-    assert not follows(StructuredOutput("json", json.dumps(schema)), 'x</think>{"n": 7, "m": 1}')
-    assert follows(
+    assert follows_after(js, '<think>\nno {"n": x} yet</think>{"n": 7}')
+    assert not follows_after(js, 'ok</think>{"n": "seven"}')
+    assert not follows_after(js, '{"n": 7}')  # the reasoning has to end first
+    assert not follows_after(js, 'x</think>{"n": 7, "m": 1}')
+    assert follows_after(
         StructuredOutput("json", json.dumps(schema), strict=False), 'x</think>{"n": 7, "m": 1}'
     )
-    assert follows(StructuredOutput("choice", '["yes", "no"]'), "hmm</think>no")
-    assert not follows(StructuredOutput("regex", "[0-9]+"), "hmm</think>12a")
-    m = Matcher(grammars, after_reasoning(js, "</think>"), 8)
+    assert follows_after(StructuredOutput("choice", '["yes", "no"]'), "hmm</think>no")
+    assert not follows_after(StructuredOutput("regex", "[0-9]+"), "hmm</think>12a")
+    m = bundled_matcher(after_reasoning(js, "</think>"))
     bitmask = allocate_bitmask(1, cfg.vocab_size)
     m.fill(bitmask, 0)
     allowed = unpack_bitmask(bitmask, cfg.vocab_size)[0]
@@ -191,24 +181,12 @@ def test_under_a_reasoning_parser_the_grammar_starts_after_the_reasoning():
 
 def test_vllms_first_structural_tag_form_is_free_text_then_tags():
     """vLLM's `structures` + `triggers` structural tag, as the API turns it into xgrammar's."""
-    from xllm_py.entrypoints.openai_protocol import _structural_tag
-    from xllm_py.structured import Matcher, grammars_for
-
-    llm = LLM(**OPTIONS)
-    tok, cfg = llm.get_tokenizer(), llm.engine.config.model
-    grammars = grammars_for(cfg.path, cfg.vocab_size, tuple(cfg.eos_token_ids))
     spec = {"type": "structural_tag", "triggers": ["<n"],
             "structures": [{"begin": "<n>", "schema": SCHEMAS[1], "end": "</n>"}]}  # fmt: skip
     so = _structural_tag("structural_tag", json.dumps(spec))
-
-    def follows(text: str) -> bool:
-        m = Matcher(grammars, so, 8)
-        ids = tok.encode(text, add_special_tokens=False)
-        return all(m.accept(t) for t in ids) and m.accept(cfg.eos_token_ids[0])
-
-    assert follows('free text <n>{"n": 5}</n> more text')
-    assert follows("no tag at all")
-    assert not follows('free text <n>{"n": "five"}</n>')
+    assert follows(so, 'free text <n>{"n": 5}</n> more text')
+    assert follows(so, "no tag at all")
+    assert not follows(so, 'free text <n>{"n": "five"}</n>')
 
 
 # ---- over HTTP --------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests import grammar_utils
 from tests.server_utils import Server
 from tests.test_bundled_model import held_out_user_turns
 from xllm_py import LLM, SamplingParams
@@ -325,17 +326,8 @@ def test_the_bundled_tokenizer_has_deepseek_v3s_tool_tokens():
 # ---- the grammar of tool_choice "required" and named ------------------------------------------
 
 
-def matcher(spec: str):
-    from xllm_py.structured import Matcher, grammars_for
-
-    grammars = grammars_for(str(BUNDLED_MODEL_DIR), 8208, (1,))
-    return Matcher(grammars, StructuredOutput("structural_tag", spec), 8)
-
-
 def follows(spec: str, text: str) -> bool:
-    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
-    m = matcher(spec)
-    return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False)) and m.accept(1)
+    return grammar_utils.follows(StructuredOutput("structural_tag", spec), text)
 
 
 def test_the_tool_grammar_admits_exactly_well_formed_calls():
@@ -357,9 +349,8 @@ def test_the_tool_grammar_admits_exactly_well_formed_calls():
     assert follows(named, CALLS_BEGIN + b + CALLS_END)
     assert not follows(named, CALLS_BEGIN + a + CALLS_END)
     # the markers must be the tokens themselves, not their spelling in pieces
-    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
-    m = matcher(required)
-    assert not m.accept(tok.encode("<", add_special_tokens=False)[0])
+    m = grammar_utils.bundled_matcher(StructuredOutput("structural_tag", required))
+    assert not m.accept(grammar_utils.encode("<")[0])
 
 
 TOOL_OPTIONS = dict(dtype="float32", block_size=16)
