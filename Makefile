@@ -54,10 +54,10 @@ lint: setup
 	$(VPY) -m ruff check xllm_py tests perf tools
 
 # The cluster protocol's Python modules (committed). Run from the repository root so the
-# generated imports read `from xllm_py.distributed import cluster_pb2`.
+# generated imports read `from xllm_py.cluster import cluster_pb2`.
 proto: setup
 	$(VPY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
-	    xllm_py/distributed/cluster.proto
+	    xllm_py/cluster/cluster.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info

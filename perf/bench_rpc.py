@@ -66,11 +66,11 @@ def timed(fn, n: int) -> dict:
 
 def control_overhead(n: int) -> dict:
     from xllm_py.cli import build_config, build_parser
-    from xllm_py.distributed import cluster_pb2 as pb
-    from xllm_py.distributed.coordinator import Coordinator, serve_coordinator
-    from xllm_py.distributed.layout import ClusterLayout, model_fingerprint
-    from xllm_py.distributed.wire import sched_to_pb
-    from xllm_py.executor.grpc_executor import GrpcExecutor, WorkerClient
+    from xllm_py.cluster import cluster_pb2 as pb
+    from xllm_py.cluster.coordinator import Coordinator, serve_coordinator
+    from xllm_py.cluster.grpc_executor import GrpcExecutor, WorkerClient
+    from xllm_py.cluster.layout import ClusterLayout, model_fingerprint
+    from xllm_py.cluster.wire import sched_to_pb
     from xllm_py.executor.messages import CachedRequestData, SchedulerOutput
 
     master_port, worker_port = free_port(), free_port()

@@ -24,7 +24,7 @@ Random prompt ids (fixed seed), greedy, EOS ignored, prefix cache off. For each 
                  plus block scales when held in FP8; plus the KV it attends over) / step time,
                  as a fraction of peak memory bandwidth (datasheet by device name, or
                  --hbm-gbps, or else measured here by a copy, which the JSON says)
-  MTP step cost  for each k of --k, an oracle draft (xllm_py/spec/oracle.py: the plain
+  MTP step cost  for each k of --k, an oracle draft (tests/oracle.py: the plain
                  run's continuation) while the real MTP layer still runs each step for its
                  cost: ms per MTP step / ms per plain step at the same batch, tokens per
                  step. Emitted tokens are pinned to the plain run's, so every draft is
@@ -360,7 +360,7 @@ def install_oracle(llm, reference: dict, k: int) -> list[int]:
     atomics) cannot put a request off the reference, after which the oracle could propose
     nothing right. Returns [tokens the verification chose itself, tokens emitted], counted
     as they go."""
-    from xllm_py.spec.oracle import OracleProposer
+    from tests.oracle import OracleProposer
 
     runner = llm.engine.core.executor.worker.runner
     runner.proposer = OracleProposer(runner, reference, k, inner=runner.proposer)

@@ -13,7 +13,7 @@ safetensors headers (nothing loaded for them), routing from held-out ShareGPT pr
                 MoE layer + one embedding row + the KV cache of every layer
   verify(k+1)   the same for k+1 rows: weights and KV read once, but the routed experts are
                 the distinct ones k+1 consecutive tokens touch (measured per layer)
-  draft         as spec/mtp_proposer.py runs it: a first MTP pass over the newly verified
+  draft         as speculative/mtp_proposer.py runs it: a first MTP pass over the newly verified
                 rows (1 + accepted: the acceptance length on average; distinct experts
                 interpolated between whole windows) and the head, then k-1 chained one-row
                 passes, each with the head again. Draft cost = those bytes / k.

@@ -40,8 +40,9 @@ def _pieces() -> dict:
     from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
     from xllm_py.models.layers.mla import MLAttention
     from xllm_py.models.layers.moe import MoE
-    from xllm_py.spec.mtp_proposer import MTPProposer
-    from xllm_py.worker import attention_layout, rejection_sampler
+    from xllm_py.speculative.mtp_proposer import MTPProposer
+    from xllm_py.models import attention_layout
+    from xllm_py.worker import rejection_sampler
     from xllm_py.worker.model_runner import ModelRunner
 
     return {

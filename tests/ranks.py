@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from xllm_py.distributed.parallel import ParallelContext
+from xllm_py.parallel.context import ParallelContext
 
 WORLD = 2
 DEADLINE_S = 240  # a rank that outlives this is killed (a hang guard, not a speed bound)

@@ -1,4 +1,4 @@
-"""Adaptive speculation (--speculative_adaptive, spec/adaptive.py): the controller picks
+"""Adaptive speculation (--speculative_adaptive, speculative/adaptive.py): the controller picks
 the k with the most tokens per second from what it measured, per batch size; the
 engine stays lossless whatever k each step carries, including k = 0 steps that skip
 the MTP pass. The ShareGPT lossless bar at batch 1/8/64 is in test_spec_sharegpt.py."""
@@ -12,7 +12,7 @@ from xllm_py import LLM
 from xllm_py.engine.scheduler import Scheduler
 from xllm_py.executor.messages import NewRequestData, SchedulerOutput
 from xllm_py.sampling_params import SamplingParams
-from xllm_py.spec.adaptive import EXPLORE_EVERY, AdaptiveSpeculation, batch_bucket
+from xllm_py.speculative.adaptive import EXPLORE_EVERY, AdaptiveSpeculation, batch_bucket
 
 
 def simulate(ctl: AdaptiveSpeculation, batches, cost, accept: float, steps: int) -> list[int]:

@@ -351,7 +351,7 @@ def test_checkpoint_without_mtp_layer_cannot_give_a_draft(tmp_path):
 def test_a_token_map_beside_a_single_file_checkpoint_is_not_read_as_weights(tmp_path):
     """A hot-vocabulary token map saved next to an unindexed checkpoint (the engine's
     default place for it) is neither an unexpected tensor nor in the loader's files."""
-    from xllm_py.spec.hot_vocab import TOKEN_MAP_FILE, save_token_map
+    from xllm_py.speculative.hot_vocab import TOKEN_MAP_FILE, save_token_map
 
     path = make_random_checkpoint(tmp_path / "ckpt", seed=5)
     save_token_map(path / TOKEN_MAP_FILE, torch.arange(320), torch.ones(320))

@@ -19,10 +19,10 @@ import pytest
 
 from tests.server_utils import ROOT, free_port, free_port_range, wait_healthy
 from xllm_py import LLM, SamplingParams
-from xllm_py.distributed import cluster_pb2 as pb
-from xllm_py.distributed.health import POLL_INTERVAL_S
-from xllm_py.distributed.layout import ClusterLayout
-from xllm_py.distributed.wire import (
+from xllm_py.cluster import cluster_pb2 as pb
+from xllm_py.cluster.health import POLL_INTERVAL_S
+from xllm_py.cluster.layout import ClusterLayout
+from xllm_py.cluster.wire import (
     output_from_pb,
     output_to_pb,
     sampling_from_pb,
@@ -259,7 +259,7 @@ def replica_steps(cluster: Cluster) -> int:
     """ExecuteStep calls the worker (replica 1) has served, from its Health RPC."""
     import grpc
 
-    from xllm_py.distributed import cluster_pb2_grpc as pb_grpc
+    from xllm_py.cluster import cluster_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{cluster.worker_port}") as ch:
         return pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=5).steps

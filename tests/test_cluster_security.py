@@ -30,18 +30,18 @@ import pytest
 from tests.server_utils import ROOT, free_port, free_port_range, wait_healthy
 from tests.test_cluster import MODEL, PROMPTS, Node, complete
 from xllm_py.cli import build_parser, check_args, cluster_options
-from xllm_py.distributed import cluster_pb2 as pb
-from xllm_py.distributed import cluster_pb2_grpc as pb_grpc
-from xllm_py.distributed.coordinator import Coordinator, serve_coordinator
-from xllm_py.distributed.layout import ClusterLayout
-from xllm_py.distributed.ray_launch import node_argv
-from xllm_py.distributed.security import (
+from xllm_py.cluster import cluster_pb2 as pb
+from xllm_py.cluster import cluster_pb2_grpc as pb_grpc
+from xllm_py.cluster.coordinator import Coordinator, serve_coordinator
+from xllm_py.cluster.layout import ClusterLayout
+from xllm_py.cluster.ray_launch import node_argv
+from xllm_py.cluster.security import (
     SESSION_KEY,
     ClusterSecurity,
     TlsFiles,
     load_security,
 )
-from xllm_py.distributed.worker_node import WorkerService, serve_worker
+from xllm_py.cluster.worker_node import WorkerService, serve_worker
 
 TOKEN = "s3cret-" + "ab" * 16
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
@@ -163,7 +163,7 @@ def test_a_draining_worker_gives_up_on_a_silent_master(monkeypatch, worker_servi
     """After a signal the worker waits for the master's Shutdown for --shutdown_timeout (+
     a margin, 0 here) and then exits 1; a second signal ends the wait at once; the
     master's Shutdown during the drain is a clean exit."""
-    from xllm_py.distributed import worker_node
+    from xllm_py.cluster import worker_node
 
     monkeypatch.setattr(worker_node, "DRAIN_MARGIN_S", 0.0)
     opts = cluster_options(cluster_args("--heartbeat_timeout=600"))

@@ -144,7 +144,7 @@ def test_forced_preemption_finishes_all_with_same_tokens(tiny_model_dir, prompts
 
 
 def test_absorbed_and_expanded_attention_agree(tiny_model_dir, prompts, monkeypatch):
-    from xllm_py.worker import attention_layout
+    from xllm_py.models import attention_layout
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
     results = []

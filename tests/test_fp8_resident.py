@@ -16,9 +16,9 @@ import torch
 from tools.make_random_checkpoint import make_random_checkpoint
 from xllm_py import LLM, SamplingParams
 from xllm_py.config import ModelConfig
-from xllm_py.distributed.parallel import ParallelContext
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
 from xllm_py.models.layers.linear import Linear, linear
+from xllm_py.parallel.context import ParallelContext
 from xllm_py.weights.fp8 import (
     Fp8Config,
     Fp8Weight,

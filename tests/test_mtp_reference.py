@@ -10,7 +10,7 @@ checkpoint's own tensors with plain torch ops:
 The decoder block is HF transformers' `DeepseekV3DecoderLayer` (MLA + MoE, itself checked
 against our target layers in test_hf_reference.py) loaded with the MTP layer's weights,
 and h_i comes from HF's target model: nothing here runs xllm_py's model code. Chained
-drafting (k > 1) follows the engine's documented rule (spec/mtp_proposer.py): step s runs
+drafting (k > 1) follows the engine's documented rule (speculative/mtp_proposer.py): step s runs
 MTP layer s mod n one position further, on the previous step's block output (before the
 shared norm) and its own draft; every layer used attends over the verified positions,
 computed from (h_i, t_{i+1}).

@@ -21,7 +21,7 @@ from tests.test_cluster import PROMPTS, complete, stream_until_error, unhealthy
 ray = pytest.importorskip("ray")  # in the dev extra: installed by `make test`
 
 from xllm_py.cli import build_parser  # noqa: E402
-from xllm_py.distributed.ray_launch import RAY_NAMESPACE, bundles, node_argv  # noqa: E402
+from xllm_py.cluster.ray_launch import RAY_NAMESPACE, bundles, node_argv  # noqa: E402
 
 NUM_PROMPTS = 16
 FLAGS = ["--dtype=float32", "--nnodes=2", "--max_cache_size=16000000", "--heartbeat_timeout=3"]

@@ -10,10 +10,10 @@ import shutil
 
 import pytest
 
+from tests.oracle import OracleProposer
 from tests.test_engine import WITH_LOGPROBS, cached_prefix_tokens, chosen_logprobs
 from tools.make_random_checkpoint import make_random_checkpoint
 from xllm_py import LLM, SamplingParams
-from xllm_py.spec.oracle import OracleProposer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -176,7 +176,7 @@ def test_speculative_decoding_runs_in_bfloat16():
 def test_acceptance_counters_per_position():
     """What /metrics reports per draft position: passes with fewer drafts count too, and
     a longer pass later extends the positions without losing the earlier counts."""
-    from xllm_py.spec.metrics import SpecDecodeStats
+    from xllm_py.speculative.metrics import SpecDecodeStats
 
     s = SpecDecodeStats()
     s.record([7], 1)

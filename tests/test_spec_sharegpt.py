@@ -145,7 +145,7 @@ HOT_VOCAB = 512  # of 8192: the restricted draft head proposes only these tokens
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_hot_vocabulary_drafts_are_lossless_on_sharegpt(prompts, baseline, batch):
     """--speculative_draft_vocab_size: drafts from the bundled token map's 512 most frequent
-    target tokens only (spec/hot_vocab.py); k = 2. Every draft is a hot token, and the
+    target tokens only (speculative/hot_vocab.py); k = 2. Every draft is a hot token, and the
     output is still plain decoding's."""
     llm = LLM(
         dtype="float32",

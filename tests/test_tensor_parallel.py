@@ -21,10 +21,10 @@ from tests.ranks import WORLD, run_ranks, use_parallel_workers
 from tools.make_random_checkpoint import BASE_CONFIG, make_random_checkpoint
 from xllm_py import LLM, SamplingParams
 from xllm_py.config import ModelConfig
-from xllm_py.distributed.parallel import ParallelContext
 from xllm_py.models.deepseek_mtp import DeepseekV3MTP, check_shared_copy
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
 from xllm_py.models.layers.linear import Shard
+from xllm_py.parallel.context import ParallelContext
 from xllm_py.weights.fp8 import Fp8Config
 from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
 
@@ -176,7 +176,7 @@ def test_two_ranks_build_the_whole_hot_vocabulary_head(mtp_ckpt, single, jobs, t
     """The hot tokens' head rows come from both ranks' vocabulary halves: after the one
     all-reduce each rank holds exactly one process's table, and the output is plain
     decoding's (and one process's)."""
-    from xllm_py.spec.hot_vocab import save_token_map
+    from xllm_py.speculative.hot_vocab import save_token_map
 
     token_map = tmp_path / "map.safetensors"
     order = torch.randperm(320, generator=torch.Generator().manual_seed(0))

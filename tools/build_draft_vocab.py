@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build the token map of a hot-vocabulary MTP draft head (xllm_py/spec/hot_vocab.py).
+"""Build the token map of a hot-vocabulary MTP draft head (xllm_py/speculative/hot_vocab.py).
 
     python tools/build_draft_vocab.py --model xllm_py/assets/tiny-deepseek-v3-mtp
     python tools/build_draft_vocab.py --model DIR --prompts 2000 --output map.safetensors
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from xllm_py import LLM, SamplingParams  # noqa: E402
 from xllm_py.sharegpt import HELD_OUT_EVERY, iter_conversations, turns  # noqa: E402
-from xllm_py.spec.hot_vocab import TOKEN_MAP_FILE, save_token_map  # noqa: E402
+from xllm_py.speculative.hot_vocab import TOKEN_MAP_FILE, save_token_map  # noqa: E402
 
 
 def training_prompts(n: int, max_chars: int = 2000) -> list[str]:

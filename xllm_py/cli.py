@@ -402,7 +402,7 @@ def check_args(a: argparse.Namespace) -> None:
         bad(f"--nnodes={a.nnodes}: --master_node_addr=host:port of node 0 is required")
     if a.nnodes > 1 or a.ep_size > 1 or a.dp_size > 1:
         cluster_options(a)  # the layout itself (divisibility, ep_size)
-        from xllm_py.distributed.security import check_flags
+        from xllm_py.cluster.security import check_flags
 
         check_flags(*_security_flags(a))  # their files are read at start-up
 
@@ -420,8 +420,8 @@ def _security_flags(a: argparse.Namespace) -> tuple:
 def cluster_options(a: argparse.Namespace, read_secrets: bool = False):
     """The cluster flags as ClusterOptions (ValueError naming the flag if inconsistent);
     with `read_secrets`, also the token and TLS files (read now)."""
-    from xllm_py.distributed.layout import ClusterLayout, ClusterOptions
-    from xllm_py.distributed.security import INSECURE, load_security
+    from xllm_py.cluster.layout import ClusterLayout, ClusterOptions
+    from xllm_py.cluster.security import INSECURE, load_security
 
     return ClusterOptions(
         ClusterLayout(a.nnodes, a.dp_size, a.ep_size),
@@ -487,7 +487,7 @@ def build_core(a: argparse.Namespace, config, on_worker_drain=lambda why: None):
     on_worker_drain(why): a worker got SIGTERM (called from the health monitor's thread)."""
     if a.nnodes == 1:
         return None
-    from xllm_py.distributed.master import Cluster
+    from xllm_py.cluster.master import Cluster
 
     cluster = Cluster(cluster_options(a, read_secrets=True), config, on_worker_drain)
     try:
@@ -499,7 +499,7 @@ def build_core(a: argparse.Namespace, config, on_worker_drain=lambda why: None):
 
 def run_worker(a: argparse.Namespace) -> int:
     """Nodes 1..N-1: a worker only (no HTTP)."""
-    from xllm_py.distributed.worker_node import run_worker_node
+    from xllm_py.cluster.worker_node import run_worker_node
 
     set_cpu_threads(a)
     opts = cluster_options(a, read_secrets=True)
@@ -643,12 +643,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from xllm_py.executor.grpc_executor import WorkerFailedError
+    from xllm_py.cluster.grpc_executor import WorkerFailedError
 
     try:
         check_args(args)
         if args.launcher == "ray":
-            from xllm_py.distributed.ray_launch import launch
+            from xllm_py.cluster.ray_launch import launch
 
             return launch(args, sys.argv[1:] if argv is None else list(argv))
         if args.nnodes > 1 and args.node_rank > 0:

@@ -330,12 +330,12 @@ class SpecConfig:
     # concurrency verifying k + 1 tokens per request can cost more than it saves. 0 = never.
     speculative_disable_batch_size: int = 0
     # Choose the drafts per step, 0..num_speculative_tokens, for the most tokens per second
-    # (spec/adaptive.py); replaces speculative_disable_batch_size.
+    # (speculative/adaptive.py); replaces speculative_disable_batch_size.
     adaptive: bool = False
     # The draft shares the target's embedding, head and KV blocks, so it must live on the
     # target's device (xLLM's --draft_devices); None = the target's.
     draft_device: str | None = None
-    # Drafts from the N most frequent target tokens only (spec/hot_vocab.py); 0 = the whole
+    # Drafts from the N most frequent target tokens only (speculative/hot_vocab.py); 0 = the whole
     # vocabulary. The token map: speculative_token_map, else draft_vocab.safetensors in the
     # draft's (or the model's) directory.
     draft_vocab_size: int = 0

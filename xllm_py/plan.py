@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 
 from xllm_py.config import ModelConfig
-from xllm_py.distributed.parallel import ParallelContext
 from xllm_py.models.deepseek_mtp import DeepseekV3MTP
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
 from xllm_py.models.layers.mla import MLAttention
 from xllm_py.models.layers.norm import RMSNorm
+from xllm_py.parallel.context import ParallelContext
 from xllm_py.weights.fp8 import SCALE_SUFFIX, Fp8Config
 from xllm_py.weights.loader import INDEX_FILE, layer_index, unindexed_weight_files
 

@@ -15,7 +15,7 @@ A request's `StructuredOutput` names a kind and its source text:
 sampling_params.py, so it crosses the cluster wire with the other parameters), and
 `Matcher` follows one request's output: the token bitmask of what may come next, tokens
 accepted, and rollback of drafts (worker/model_runner.py applies the bitmask at every
-verified position; spec/mtp_proposer.py applies it to the MTP draft's logits, so drafts
+verified position; speculative/mtp_proposer.py applies it to the MTP draft's logits, so drafts
 stay inside the grammar). In a cluster each worker compiles a grammar the first time a
 request brings it, inside that step.
 """

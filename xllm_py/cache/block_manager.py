@@ -24,8 +24,19 @@ one request (ref_count > 0).
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
-from xllm_py.engine.request import Request
+
+class SequenceBlocks(Protocol):
+    """What the block manager reads and writes of a sequence (engine/request.py
+    `Request` is one): its tokens, how many are computed, and its block table with hashes."""
+
+    all_token_ids: list[int]
+    num_tokens: int
+    num_computed_tokens: int
+    block_ids: list[int]
+    block_hashes: list[int]
+    num_cached_blocks: int
 
 
 class BlockManager:
@@ -56,14 +67,14 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------------
 
-    def _update_hashes(self, req: Request) -> None:
+    def _update_hashes(self, req: SequenceBlocks) -> None:
         bs = self.block_size
         tokens = req.all_token_ids
         for i in range(len(req.block_hashes), len(tokens) // bs):
             parent = req.block_hashes[i - 1] if i else 0
             req.block_hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
 
-    def find_cached_prefix(self, req: Request) -> list[int]:
+    def find_cached_prefix(self, req: SequenceBlocks) -> list[int]:
         """Leading full blocks of `req` already in the cache. At least one token is left
         uncomputed, so the step that follows still produces logits to sample from."""
         if not self.enable_prefix_cache:
@@ -78,7 +89,7 @@ class BlockManager:
             hits.append(bid)
         return hits
 
-    def cache_full_blocks(self, req: Request, num_verified_tokens: int) -> None:
+    def cache_full_blocks(self, req: SequenceBlocks, num_verified_tokens: int) -> None:
         """Register the request's full blocks of verified tokens under their prefix hashes."""
         if not self.enable_prefix_cache:
             return
@@ -94,7 +105,7 @@ class BlockManager:
     # ---- allocation ---------------------------------------------------------------------------
 
     def allocate(
-        self, req: Request, num_new_tokens: int, num_lookahead: int = 0, hits: list[int] = ()
+        self, req: SequenceBlocks, num_new_tokens: int, num_lookahead: int = 0, hits: list[int] = ()
     ) -> bool:
         """Grow `req`'s block table to hold computed + hits + new + look-ahead tokens.
 
@@ -129,7 +140,7 @@ class BlockManager:
         self.ref_count[bid] = 1
         return bid
 
-    def free(self, req: Request) -> None:
+    def free(self, req: SequenceBlocks) -> None:
         """Release every block of `req` (finished, aborted or preempted)."""
         for bid in reversed(req.block_ids):
             self.ref_count[bid] -= 1

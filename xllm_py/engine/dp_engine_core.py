@@ -25,7 +25,7 @@ from xllm_py.engine.engine_core import EngineCore
 from xllm_py.engine.scheduler import EngineCoreOutput, SchedulerStats
 from xllm_py.executor.base import Executor
 from xllm_py.sampling_params import SamplingParams
-from xllm_py.spec.metrics import SpecDecodeStats
+from xllm_py.speculative.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 

@@ -16,18 +16,24 @@ from xllm_py.config import EngineConfig
 from xllm_py.engine.request import Request
 from xllm_py.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from xllm_py.executor.base import Executor
+from xllm_py.executor.inproc import InProcExecutor
 from xllm_py.sampling_params import SamplingParams
-from xllm_py.spec.adaptive import AdaptiveSpeculation
+from xllm_py.speculative.adaptive import AdaptiveSpeculation
 
 logger = logging.getLogger(__name__)
+
+
+def local_executor(config: EngineConfig) -> InProcExecutor:
+    """One worker in this process, on `config.device`."""
+    from xllm_py.worker.worker import Worker  # torch and the model: loaded only when used
+
+    return InProcExecutor(Worker(config), config.device.seed)
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         if executor is None:
-            from xllm_py.executor.inproc import InProcExecutor
-
-            executor = InProcExecutor(config)
+            executor = local_executor(config)
         self.config = config
         self.executor = executor
         num_blocks = executor.determine_num_blocks()

@@ -28,8 +28,8 @@ from xllm_py.executor.messages import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from xllm_py.spec.adaptive import AdaptiveSpeculation
-from xllm_py.spec.metrics import SpecDecodeStats
+from xllm_py.speculative.adaptive import AdaptiveSpeculation
+from xllm_py.speculative.metrics import SpecDecodeStats
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.spec_disable_batch_size = spec_disable_batch_size
-        self.adaptive = adaptive  # chooses the drafts per step (spec/adaptive.py), when on
+        self.adaptive = adaptive  # chooses the drafts per step (speculative/adaptive.py), when on
         self.blocks = block_manager
         self.num_lookahead = num_lookahead_tokens
         self.waiting: deque[Request] = deque()

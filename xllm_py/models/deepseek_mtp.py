@@ -36,10 +36,10 @@ import torch
 from torch import nn
 
 from xllm_py.config import ModelConfig
-from xllm_py.distributed.parallel import SINGLE, ParallelContext
 from xllm_py.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, process_tree
 from xllm_py.models.layers.linear import Linear
 from xllm_py.models.layers.norm import RMSNorm
+from xllm_py.parallel.context import SINGLE, ParallelContext
 
 DRAFT_ARCHITECTURE = "DeepseekV3MtpForCausalLM"
 

@@ -12,7 +12,7 @@ Parameter names mirror the checkpoint, so loading is a name-for-name copy;
 The model knows nothing of requests or blocks: the batch layout arrives
 through `models.context`.
 
-Tensor/expert parallelism (`parallel`, distributed/parallel.py) lives in the
+Tensor/expert parallelism (`parallel`, parallel/context.py) lives in the
 layers' sharded linears and the MoE; the embedding and lm_head are split along
 the vocabulary (models/layers/vocab_parallel.py: an all-reduced lookup, gathered
 logits) and the final norm is replicated, so every rank returns the same hidden
@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from xllm_py.config import ModelConfig
-from xllm_py.distributed.parallel import SINGLE, ParallelContext
 from xllm_py.models.layers.mla import MLAttention
 from xllm_py.models.layers.mlp import MLP
 from xllm_py.models.layers.moe import MoE
 from xllm_py.models.layers.norm import RMSNorm
 from xllm_py.models.layers.rope import RotaryEmbedding
 from xllm_py.models.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from xllm_py.parallel.context import SINGLE, ParallelContext
 
 
 class DecoderLayer(nn.Module):

@@ -37,7 +37,7 @@ from xllm_py.weights.fp8 import FP8, SCALE_SUFFIX, Fp8Config, covering, dequanti
 
 INDEX_FILE = "model.safetensors.index.json"
 # A safetensors file that may sit beside the weights without being one: the token map of
-# a hot-vocabulary draft head (spec/hot_vocab.py).
+# a hot-vocabulary draft head (speculative/hot_vocab.py).
 TOKEN_MAP_FILE = "draft_vocab.safetensors"
 LOAD_THREADS = 8  # shard files read at once
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")

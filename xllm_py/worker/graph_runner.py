@@ -49,8 +49,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from xllm_py.models.attention_layout import RequestLayout
 from xllm_py.models.context import AttnGroup, ForwardContext, forward_context
-from xllm_py.worker.attention_layout import RequestLayout
 
 logger = logging.getLogger(__name__)
 

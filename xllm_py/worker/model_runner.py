@@ -30,11 +30,11 @@ from xllm_py.executor.messages import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from xllm_py.models.attention_layout import RequestLayout, build_context
 from xllm_py.models.context import forward_context
 from xllm_py.sampling_params import SamplingParams
-from xllm_py.spec.mtp_proposer import MTPProposer, ProposeInput
+from xllm_py.speculative.mtp_proposer import MTPProposer, ProposeInput
 from xllm_py.structured import Matcher, allocate_bitmask, grammars_for
-from xllm_py.worker.attention_layout import RequestLayout, build_context
 from xllm_py.worker.graph_runner import GraphRunner
 from xllm_py.worker.rejection_sampler import verify
 from xllm_py.worker.sampler import (

@@ -1,6 +1,6 @@
 """One worker per device: loads the model, sizes and allocates the KV cache,
 runs steps. The in-process executor calls it directly; a remote rank's gRPC
-service (distributed/worker_node.py) calls the same methods."""
+service (cluster/worker_node.py) calls the same methods."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from xllm_py.config import EngineConfig
-from xllm_py.distributed.parallel import SINGLE, ParallelContext
 from xllm_py.executor.messages import ModelRunnerOutput, SchedulerOutput
+from xllm_py.models.attention_layout import RequestLayout, build_context
 from xllm_py.models.context import forward_context
 from xllm_py.models.deepseek_mtp import (
     DeepseekV3MTP,
@@ -22,11 +22,11 @@ from xllm_py.models.deepseek_mtp import (
     read_draft_config,
 )
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
-from xllm_py.spec.hot_vocab import TOKEN_MAP_FILE, HotVocabHead, load_token_map
-from xllm_py.spec.mtp_proposer import MTPProposer
+from xllm_py.parallel.context import SINGLE, ParallelContext
+from xllm_py.speculative.hot_vocab import TOKEN_MAP_FILE, HotVocabHead, load_token_map
+from xllm_py.speculative.mtp_proposer import MTPProposer
 from xllm_py.weights.fp8 import Fp8Config, fp8_gemm_available, fp8_resident
 from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
-from xllm_py.worker.attention_layout import RequestLayout, build_context
 from xllm_py.worker.graph_runner import GraphRunner
 from xllm_py.worker.model_runner import ModelRunner
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xllm_py.distributed.parallel import SINGLE, ParallelContext
+from xllm_py.parallel.context import SINGLE, ParallelContext
 from xllm_py.weights.fp8 import FP8, Fp8Weight, block_index, fp8_linear, resident_block
 
 

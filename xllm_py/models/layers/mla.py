@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_py.config import ModelConfig
-from xllm_py.distributed.parallel import SINGLE, ParallelContext
 from xllm_py.models.context import AttnGroup, get_forward_context
 from xllm_py.models.layers.linear import (
     ColumnParallelLinear,
@@ -40,6 +39,7 @@ from xllm_py.models.layers.linear import (
 )
 from xllm_py.models.layers.norm import RMSNorm
 from xllm_py.models.layers.rope import apply_rope
+from xllm_py.parallel.context import SINGLE, ParallelContext
 
 
 class MLAttention(nn.Module):

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xllm_py.distributed.parallel import SINGLE, ParallelContext
 from xllm_py.models.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -24,6 +23,7 @@ from xllm_py.models.layers.linear import (
     cat_weights,
     linear,
 )
+from xllm_py.parallel.context import SINGLE, ParallelContext
 
 
 def swiglu(x: torch.Tensor, w13: Weight, w2: Weight) -> torch.Tensor:

@@ -11,7 +11,7 @@ Routing, in float32 (docs/design.md section 3):
 Expert execution sorts the T * top_k (token, expert) assignments by expert so
 each active expert runs one matmul over all of its tokens.
 
-Parallel (distributed/parallel.py): routing is replicated, so every rank picks
+Parallel (parallel/context.py): routing is replicated, so every rank picks
 the same experts. ep_size == 1: every expert is split on its intermediate dim.
 ep_size > 1: this rank holds experts [first_expert, first_expert + E/ep) whole
 (`experts` is keyed by global id, so checkpoint names load unchanged; the other
@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_py.config import ModelConfig
-from xllm_py.distributed.parallel import SINGLE, ParallelContext
 from xllm_py.models.layers.linear import Weight, cat_weights, dense, stack_weights
 from xllm_py.models.layers.mlp import MLP, swiglu
+from xllm_py.parallel.context import SINGLE, ParallelContext
 
 # Up to this many (token, expert) assignments, experts run pair by pair (see _routed_small).
 SMALL_BATCH_ASSIGNMENTS = 8

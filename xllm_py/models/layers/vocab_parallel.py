@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xllm_py.distributed.parallel import SINGLE, ParallelContext
 from xllm_py.models.layers.linear import Shard, gemm_layout
+from xllm_py.parallel.context import SINGLE, ParallelContext
 
 
 def _vocab_rows(vocab_size: int, parallel: ParallelContext) -> int:

@@ -4,7 +4,7 @@ acceptance rate          = accepted_tokens / draft_tokens
 mean acceptance length   = 1 + accepted_tokens / drafts   (tokens per target pass)
 acceptance at position j = accepted_per_position[j] / drafts
 
-With adaptive speculation (spec/adaptive.py) the snapshot also carries the k each
+With adaptive speculation (speculative/adaptive.py) the snapshot also carries the k each
 replica chose for its latest step and how many steps ran at each k.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from xllm_py.spec.adaptive import AdaptiveSpeculation
+    from xllm_py.speculative.adaptive import AdaptiveSpeculation
 
 
 @dataclass

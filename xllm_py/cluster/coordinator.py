@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 import grpc
 
-from xllm_py.distributed import cluster_pb2 as pb
-from xllm_py.distributed import cluster_pb2_grpc as pb_grpc
-from xllm_py.distributed.layout import ClusterLayout, fingerprint_differences, layout_differences
-from xllm_py.distributed.security import INSECURE, ClusterSecurity
+from xllm_py.cluster import cluster_pb2 as pb
+from xllm_py.cluster import cluster_pb2_grpc as pb_grpc
+from xllm_py.cluster.layout import ClusterLayout, fingerprint_differences, layout_differences
+from xllm_py.cluster.security import INSECURE, ClusterSecurity
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import grpc
 
-from xllm_py.executor.grpc_executor import WorkerClient
+from xllm_py.cluster.grpc_executor import WorkerClient
 
 logger = logging.getLogger(__name__)
 POLL_INTERVAL_S = 1.0

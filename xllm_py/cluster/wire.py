@@ -10,7 +10,7 @@ travel as doubles. Only `finished_req_ids`, a set, loses an order it never had.
 
 from __future__ import annotations
 
-from xllm_py.distributed import cluster_pb2 as pb
+from xllm_py.cluster import cluster_pb2 as pb
 from xllm_py.executor.messages import (
     CachedRequestData,
     ModelRunnerOutput,

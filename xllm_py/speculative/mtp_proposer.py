@@ -26,7 +26,7 @@ Draft positions live in the request's own blocks: the scheduler reserves k
 look-ahead slots, and entries written for drafts that are later rejected are
 overwritten when those positions are verified.
 
-With a hot-vocabulary head (spec/hot_vocab.py) each draft is the argmax over the N hot
+With a hot-vocabulary head (speculative/hot_vocab.py) each draft is the argmax over the N hot
 tokens only; the target still verifies over the whole vocabulary.
 
 Graph mode (worker/graph_runner.py, one runner per MTP layer in `graphs`): a pass
@@ -38,15 +38,15 @@ request's rows padded to the bucket's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from xllm_py.models.attention_layout import RequestLayout, build_context
 from xllm_py.models.context import forward_context
 from xllm_py.models.deepseek_mtp import DeepseekV3MTP
-from xllm_py.spec.hot_vocab import HotVocabHead
+from xllm_py.speculative.hot_vocab import HotVocabHead
 from xllm_py.structured import Matcher, allocate_bitmask, unpack_bitmask
-from xllm_py.worker.attention_layout import RequestLayout, build_context
-from xllm_py.worker.graph_runner import GraphRunner
 
 
 @dataclass
@@ -78,7 +78,8 @@ class MTPProposer:
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        self.graphs: dict[int, GraphRunner] = {}  # MTP layer -> its runner, in graph mode
+        # MTP layer -> its worker/graph_runner.GraphRunner, set by the worker in graph mode
+        self.graphs: dict[int, Any] = {}
         self.hot: HotVocabHead | None = None  # set by the worker: drafts from hot tokens only
 
     def graph_q_lens(self) -> dict[int, tuple[int, ...]]:
@@ -176,7 +177,7 @@ class MTPProposer:
         self, x: torch.Tensor, step: int, allowed: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Greedy draft tokens [T] from block outputs x [T, hidden]: the argmax over the
-        whole vocabulary, or over the hot tokens (spec/hot_vocab.py); with `allowed`, over
+        whole vocabulary, or over the hot tokens (speculative/hot_vocab.py); with `allowed`, over
         the tokens each row's grammar allows."""
         if self.hot is not None:
             return self.hot.tokens(self.draft.head_norm(x, step), allowed)

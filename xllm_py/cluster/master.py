@@ -22,20 +22,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from xllm_py.config import EngineConfig
-from xllm_py.distributed import cluster_pb2 as pb
-from xllm_py.distributed.coordinator import Coordinator, serve_coordinator
-from xllm_py.distributed.health import HealthMonitor
-from xllm_py.distributed.layout import (
+from xllm_py.cluster import cluster_pb2 as pb
+from xllm_py.cluster.coordinator import Coordinator, serve_coordinator
+from xllm_py.cluster.grpc_executor import GrpcExecutor, MasterReplicaExecutor, WorkerClient
+from xllm_py.cluster.health import HealthMonitor
+from xllm_py.cluster.layout import (
     ClusterOptions,
     abort_process_groups,
     join_process_groups,
     model_fingerprint,
     rendezvous_address,
 )
-from xllm_py.distributed.security import warn_if_open
+from xllm_py.cluster.security import warn_if_open
+from xllm_py.config import EngineConfig
 from xllm_py.engine.dp_engine_core import DataParallelEngineCore
-from xllm_py.executor.grpc_executor import GrpcExecutor, MasterReplicaExecutor, WorkerClient
+from xllm_py.engine.engine_core import local_executor
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +70,8 @@ class Cluster:
         layout = self.opts.layout
         self.coordinator.wait_all(self.opts.cluster_timeout)
         logger.info("all %d nodes registered; loading %d replicas", layout.nnodes, layout.dp_size)
-        from xllm_py.executor.inproc import InProcExecutor
-
         if layout.tp_size == 1:
-            factories = [lambda: InProcExecutor(self.config)]
+            factories = [lambda: local_executor(self.config)]
         else:  # this process is rank 0 of replica 0 and joins the process groups too
             factories = [self._master_replica_executor]
         factories += [lambda i=i: self._replica_executor(i) for i in range(1, layout.dp_size)]

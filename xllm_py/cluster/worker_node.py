@@ -33,10 +33,10 @@ import time
 import grpc
 import torch
 
-from xllm_py.config import EngineConfig
-from xllm_py.distributed import cluster_pb2 as pb
-from xllm_py.distributed import cluster_pb2_grpc as pb_grpc
-from xllm_py.distributed.layout import (
+from xllm_py.cluster import cluster_pb2 as pb
+from xllm_py.cluster import cluster_pb2_grpc as pb_grpc
+from xllm_py.cluster.grpc_executor import CHANNEL_OPTIONS
+from xllm_py.cluster.layout import (
     ClusterLayout,
     ClusterOptions,
     abort_process_groups,
@@ -44,7 +44,7 @@ from xllm_py.distributed.layout import (
     join_process_groups,
     model_fingerprint,
 )
-from xllm_py.distributed.security import (
+from xllm_py.cluster.security import (
     INSECURE,
     SESSION_KEY,
     ClusterSecurity,
@@ -52,8 +52,8 @@ from xllm_py.distributed.security import (
     same_secret,
     warn_if_open,
 )
-from xllm_py.distributed.wire import output_to_pb, sched_from_pb
-from xllm_py.executor.grpc_executor import CHANNEL_OPTIONS
+from xllm_py.cluster.wire import output_to_pb, sched_from_pb
+from xllm_py.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 REGISTER_RETRY_S = 0.5
@@ -107,7 +107,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     def InitModel(self, request: pb.InitModelRequest, context) -> pb.InitModelReply:  # noqa: N802
         self._require_master(context, "InitModel")
         self._touch()
-        from xllm_py.distributed.parallel import SINGLE
+        from xllm_py.parallel.context import SINGLE
         from xllm_py.worker.worker import Worker
 
         parallel = SINGLE

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from xllm_py.distributed.parallel import ParallelContext
+from xllm_py.parallel.context import ParallelContext
 from xllm_py.weights.loader import TOKEN_MAP_FILE
 
 __all__ = ["TOKEN_MAP_FILE", "HotVocabHead", "load_token_map", "save_token_map"]

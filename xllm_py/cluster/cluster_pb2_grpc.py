@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from xllm_py.distributed import cluster_pb2 as xllm__py_dot_distributed_dot_cluster__pb2
+from xllm_py.cluster import cluster_pb2 as xllm__py_dot_cluster_dot_cluster__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in xllm_py/distributed/cluster_pb2_grpc.py depends on'
+        + ' but the generated code in xllm_py/cluster/cluster_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -39,8 +39,8 @@ class CoordinatorStub:
         """
         self.Register = channel.unary_unary(
                 '/xllm.cluster.Coordinator/Register',
-                request_serializer=xllm__py_dot_distributed_dot_cluster__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.RegisterReply.FromString,
+                request_serializer=xllm__py_dot_cluster_dot_cluster__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=xllm__py_dot_cluster_dot_cluster__pb2.RegisterReply.FromString,
                 _registered_method=True)
 
 
@@ -61,8 +61,8 @@ def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.RegisterRequest.FromString,
-                    response_serializer=xllm__py_dot_distributed_dot_cluster__pb2.RegisterReply.SerializeToString,
+                    request_deserializer=xllm__py_dot_cluster_dot_cluster__pb2.RegisterRequest.FromString,
+                    response_serializer=xllm__py_dot_cluster_dot_cluster__pb2.RegisterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -93,8 +93,8 @@ class Coordinator:
             request,
             target,
             '/xllm.cluster.Coordinator/Register',
-            xllm__py_dot_distributed_dot_cluster__pb2.RegisterRequest.SerializeToString,
-            xllm__py_dot_distributed_dot_cluster__pb2.RegisterReply.FromString,
+            xllm__py_dot_cluster_dot_cluster__pb2.RegisterRequest.SerializeToString,
+            xllm__py_dot_cluster_dot_cluster__pb2.RegisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -118,28 +118,28 @@ class WorkerStub:
         """
         self.InitModel = channel.unary_unary(
                 '/xllm.cluster.Worker/InitModel',
-                request_serializer=xllm__py_dot_distributed_dot_cluster__pb2.InitModelRequest.SerializeToString,
-                response_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.InitModelReply.FromString,
+                request_serializer=xllm__py_dot_cluster_dot_cluster__pb2.InitModelRequest.SerializeToString,
+                response_deserializer=xllm__py_dot_cluster_dot_cluster__pb2.InitModelReply.FromString,
                 _registered_method=True)
         self.AllocateCache = channel.unary_unary(
                 '/xllm.cluster.Worker/AllocateCache',
-                request_serializer=xllm__py_dot_distributed_dot_cluster__pb2.AllocateCacheRequest.SerializeToString,
-                response_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.AllocateCacheReply.FromString,
+                request_serializer=xllm__py_dot_cluster_dot_cluster__pb2.AllocateCacheRequest.SerializeToString,
+                response_deserializer=xllm__py_dot_cluster_dot_cluster__pb2.AllocateCacheReply.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/xllm.cluster.Worker/Health',
-                request_serializer=xllm__py_dot_distributed_dot_cluster__pb2.HealthRequest.SerializeToString,
-                response_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.HealthReply.FromString,
+                request_serializer=xllm__py_dot_cluster_dot_cluster__pb2.HealthRequest.SerializeToString,
+                response_deserializer=xllm__py_dot_cluster_dot_cluster__pb2.HealthReply.FromString,
                 _registered_method=True)
         self.ExecuteStep = channel.unary_unary(
                 '/xllm.cluster.Worker/ExecuteStep',
-                request_serializer=xllm__py_dot_distributed_dot_cluster__pb2.ExecuteStepRequest.SerializeToString,
-                response_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.ExecuteStepReply.FromString,
+                request_serializer=xllm__py_dot_cluster_dot_cluster__pb2.ExecuteStepRequest.SerializeToString,
+                response_deserializer=xllm__py_dot_cluster_dot_cluster__pb2.ExecuteStepReply.FromString,
                 _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/xllm.cluster.Worker/Shutdown',
-                request_serializer=xllm__py_dot_distributed_dot_cluster__pb2.ShutdownRequest.SerializeToString,
-                response_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.ShutdownReply.FromString,
+                request_serializer=xllm__py_dot_cluster_dot_cluster__pb2.ShutdownRequest.SerializeToString,
+                response_deserializer=xllm__py_dot_cluster_dot_cluster__pb2.ShutdownReply.FromString,
                 _registered_method=True)
 
 
@@ -182,28 +182,28 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'InitModel': grpc.unary_unary_rpc_method_handler(
                     servicer.InitModel,
-                    request_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.InitModelRequest.FromString,
-                    response_serializer=xllm__py_dot_distributed_dot_cluster__pb2.InitModelReply.SerializeToString,
+                    request_deserializer=xllm__py_dot_cluster_dot_cluster__pb2.InitModelRequest.FromString,
+                    response_serializer=xllm__py_dot_cluster_dot_cluster__pb2.InitModelReply.SerializeToString,
             ),
             'AllocateCache': grpc.unary_unary_rpc_method_handler(
                     servicer.AllocateCache,
-                    request_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.AllocateCacheRequest.FromString,
-                    response_serializer=xllm__py_dot_distributed_dot_cluster__pb2.AllocateCacheReply.SerializeToString,
+                    request_deserializer=xllm__py_dot_cluster_dot_cluster__pb2.AllocateCacheRequest.FromString,
+                    response_serializer=xllm__py_dot_cluster_dot_cluster__pb2.AllocateCacheReply.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.HealthRequest.FromString,
-                    response_serializer=xllm__py_dot_distributed_dot_cluster__pb2.HealthReply.SerializeToString,
+                    request_deserializer=xllm__py_dot_cluster_dot_cluster__pb2.HealthRequest.FromString,
+                    response_serializer=xllm__py_dot_cluster_dot_cluster__pb2.HealthReply.SerializeToString,
             ),
             'ExecuteStep': grpc.unary_unary_rpc_method_handler(
                     servicer.ExecuteStep,
-                    request_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.ExecuteStepRequest.FromString,
-                    response_serializer=xllm__py_dot_distributed_dot_cluster__pb2.ExecuteStepReply.SerializeToString,
+                    request_deserializer=xllm__py_dot_cluster_dot_cluster__pb2.ExecuteStepRequest.FromString,
+                    response_serializer=xllm__py_dot_cluster_dot_cluster__pb2.ExecuteStepReply.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
-                    request_deserializer=xllm__py_dot_distributed_dot_cluster__pb2.ShutdownRequest.FromString,
-                    response_serializer=xllm__py_dot_distributed_dot_cluster__pb2.ShutdownReply.SerializeToString,
+                    request_deserializer=xllm__py_dot_cluster_dot_cluster__pb2.ShutdownRequest.FromString,
+                    response_serializer=xllm__py_dot_cluster_dot_cluster__pb2.ShutdownReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -232,8 +232,8 @@ class Worker:
             request,
             target,
             '/xllm.cluster.Worker/InitModel',
-            xllm__py_dot_distributed_dot_cluster__pb2.InitModelRequest.SerializeToString,
-            xllm__py_dot_distributed_dot_cluster__pb2.InitModelReply.FromString,
+            xllm__py_dot_cluster_dot_cluster__pb2.InitModelRequest.SerializeToString,
+            xllm__py_dot_cluster_dot_cluster__pb2.InitModelReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -259,8 +259,8 @@ class Worker:
             request,
             target,
             '/xllm.cluster.Worker/AllocateCache',
-            xllm__py_dot_distributed_dot_cluster__pb2.AllocateCacheRequest.SerializeToString,
-            xllm__py_dot_distributed_dot_cluster__pb2.AllocateCacheReply.FromString,
+            xllm__py_dot_cluster_dot_cluster__pb2.AllocateCacheRequest.SerializeToString,
+            xllm__py_dot_cluster_dot_cluster__pb2.AllocateCacheReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -286,8 +286,8 @@ class Worker:
             request,
             target,
             '/xllm.cluster.Worker/Health',
-            xllm__py_dot_distributed_dot_cluster__pb2.HealthRequest.SerializeToString,
-            xllm__py_dot_distributed_dot_cluster__pb2.HealthReply.FromString,
+            xllm__py_dot_cluster_dot_cluster__pb2.HealthRequest.SerializeToString,
+            xllm__py_dot_cluster_dot_cluster__pb2.HealthReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -313,8 +313,8 @@ class Worker:
             request,
             target,
             '/xllm.cluster.Worker/ExecuteStep',
-            xllm__py_dot_distributed_dot_cluster__pb2.ExecuteStepRequest.SerializeToString,
-            xllm__py_dot_distributed_dot_cluster__pb2.ExecuteStepReply.FromString,
+            xllm__py_dot_cluster_dot_cluster__pb2.ExecuteStepRequest.SerializeToString,
+            xllm__py_dot_cluster_dot_cluster__pb2.ExecuteStepReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -340,8 +340,8 @@ class Worker:
             request,
             target,
             '/xllm.cluster.Worker/Shutdown',
-            xllm__py_dot_distributed_dot_cluster__pb2.ShutdownRequest.SerializeToString,
-            xllm__py_dot_distributed_dot_cluster__pb2.ShutdownReply.FromString,
+            xllm__py_dot_cluster_dot_cluster__pb2.ShutdownRequest.SerializeToString,
+            xllm__py_dot_cluster_dot_cluster__pb2.ShutdownReply.FromString,
             options,
             channel_credentials,
             insecure,

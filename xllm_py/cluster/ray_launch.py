@@ -160,7 +160,7 @@ def _without_token_flags(argv: list[str]) -> list[str]:
 def cluster_token(args: argparse.Namespace) -> str:
     """The token of every node: the launcher's (--cluster_token_file, --cluster_token,
     XLLM_CLUSTER_TOKEN), else a new random one for this launch."""
-    from xllm_py.distributed.security import read_token
+    from xllm_py.cluster.security import read_token
 
     return read_token(args.cluster_token, args.cluster_token_file) or secrets.token_hex(32)
 
@@ -211,7 +211,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     except ImportError as e:
         raise ValueError(f"--launcher=ray needs Ray: pip install 'xllm_py[ray]' ({e})") from e
 
-    from xllm_py.distributed.security import TOKEN_ENV
+    from xllm_py.cluster.security import TOKEN_ENV
 
     env = {"PYTHONUNBUFFERED": "1", TOKEN_ENV: cluster_token(args)}  # read before Ray starts
     t0 = time.perf_counter()

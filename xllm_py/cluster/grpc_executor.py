@@ -30,10 +30,10 @@ from concurrent.futures import Future
 
 import grpc
 
-from xllm_py.distributed import cluster_pb2 as pb
-from xllm_py.distributed import cluster_pb2_grpc as pb_grpc
-from xllm_py.distributed.security import INSECURE, SESSION_KEY, ClusterSecurity
-from xllm_py.distributed.wire import output_from_pb, sched_to_pb
+from xllm_py.cluster import cluster_pb2 as pb
+from xllm_py.cluster import cluster_pb2_grpc as pb_grpc
+from xllm_py.cluster.security import INSECURE, SESSION_KEY, ClusterSecurity
+from xllm_py.cluster.wire import output_from_pb, sched_to_pb
 from xllm_py.executor.base import Executor
 from xllm_py.executor.messages import ModelRunnerOutput, SchedulerOutput
 

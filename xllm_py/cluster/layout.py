@@ -14,9 +14,9 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from xllm_py.cluster import cluster_pb2 as pb
+from xllm_py.cluster.security import INSECURE, ClusterSecurity
 from xllm_py.config import EngineConfig
-from xllm_py.distributed import cluster_pb2 as pb
-from xllm_py.distributed.security import INSECURE, ClusterSecurity
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def join_process_groups(
     import torch
     import torch.distributed as dist
 
-    from xllm_py.distributed.parallel import ParallelContext
+    from xllm_py.parallel.context import ParallelContext
 
     dist.init_process_group(
         backend_for(device),

@@ -1,1 +1,0 @@
-"""Speculative decoding with the MTP draft (arrives with the MTP issue)."""
