@@ -156,6 +156,27 @@ def build_parser() -> argparse.ArgumentParser:
         "off the event loop, one at a time, so a slow one never holds up other requests",
     )
     flag(
+        "grammar_cache_bytes",
+        type=int,
+        default=256 << 20,
+        help="bytes of compiled structured-output grammars kept per process; the least "
+        "recently used are evicted beyond it (a grammar evicted is compiled again when next "
+        "asked for)",
+    )
+    flag(
+        "stream_stall_timeout",
+        type=float,
+        default=300.0,
+        help="seconds a streaming client may go without reading while its request has output "
+        "waiting; then the request is aborted and its memory freed",
+    )
+    boolean(
+        "enable_test_hooks",
+        False,
+        "arm the fault-injection hook (env XLLM_FAULT_INJECT) for fault-isolation tests; "
+        "never on a production server: a prompt carrying the marker fails requests or the engine",
+    )
+    flag(
         "shutdown_timeout",
         type=float,
         default=30.0,
@@ -536,6 +557,7 @@ def build_server(a: argparse.Namespace):
             a.tool_call_parser,
             a.enable_auto_tool_choice,
             a.grammar_compile_timeout,
+            a.stream_stall_timeout,
         ),
         metrics,
     )

@@ -78,6 +78,7 @@ class ServerOptions:
     tool_call_parser: str = ""  # "deepseek_v3": tool calls parsed (tool_parser.py)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (with a parser)
     grammar_compile_timeout: float = 10.0  # seconds a new grammar may take to compile
+    stream_stall_timeout: float = 300.0  # seconds a stream may go unread before its abort
 
 
 @dataclass
