@@ -7,7 +7,7 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup test test-gpu gpu-report serve lint clean proto mutation
+.PHONY: setup test test-slow test-gpu gpu-report serve lint clean proto mutation
 
 setup: $(STAMP)
 
@@ -27,8 +27,12 @@ $(STAMP): pyproject.toml
 # Two pytest-xdist workers, a test file each at a time (module-scoped servers are started
 # once); PYTEST_WORKERS=0 runs the suite in this process, one test after another.
 PYTEST_WORKERS ?= 2
+# The tests marked `slow` (graph exactness at scale, about 30 minutes) are left out: `make test-slow`.
 test: setup
-	$(VPY) -m pytest tests $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+	$(VPY) -m pytest tests -m "not slow" $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+
+test-slow: setup
+	$(VPY) -m pytest -m slow tests
 
 # The tests marked `gpu` (a CUDA device); without one they are skipped and this says so.
 test-gpu: setup
@@ -38,7 +42,7 @@ test-gpu: setup
 # GPU decode report (perf/README.md): a random ~2.6B DeepSeek-V3-shaped checkpoint with MTP,
 # bf16 and FP8, -> perf/results/gpu/<device>.json. Without CUDA it runs the tiny preset on CPU.
 gpu-report: setup
-	$(VPY) perf/gpu_report.py $(ARGS)
+	$(VPY) -m perf.gpu_report $(ARGS)
 
 serve: setup
 	$(VPY) -m xllm_py --num_speculative_tokens=1 $(ARGS)

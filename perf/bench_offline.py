@@ -7,12 +7,14 @@ only tokens after the first: prefill time is measured separately and left
 out (for HF: time(generate N) - time(generate 1)). Both sides run in one
 process, side by side, so the ratio is measured under the same conditions.
 
-    python perf/bench_offline.py                      # the bundled model
-    python perf/bench_offline.py --random-model       # random, the probe shape (docs/design.md)
-    python perf/bench_offline.py --model DIR --batch-sizes 1 32 --new-tokens 128
-    python perf/bench_offline.py --graph --graph-k 0 1 --batch-sizes 1 4 8   # graph mode
+    python -m perf.bench_offline                      # the bundled model
+    python -m perf.bench_offline --random-model       # random, the probe shape (docs/design.md)
+    python -m perf.bench_offline --model DIR --batch-sizes 1 32 --new-tokens 128
+    python -m perf.bench_offline --graph --graph-k 0 1 --batch-sizes 1 4 8   # graph mode
 
-Writes perf/results/bench_offline.json (override with --output).
+Writes perf/results/bench_offline.json (override with --output). What one step costs
+(ms per step, tokens per step, in plain steps, and where the time goes) is
+perf/step_cost.py's (`--measure`, `--graph`); this script times whole decodes.
 
 With --spec K [K ...] it instead measures MTP speculative decoding on held-out
 ShareGPT prompts (first user turns, chat template applied): for each batch size
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -34,8 +37,9 @@ from pathlib import Path
 
 import torch
 
+from perf.step_cost import decode_run, prompts_for
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 # The probe shape (docs/design.md section 6): 4 layers, hidden 256, 8 routed experts.
 DEFAULT_CONFIG = dict(
@@ -97,11 +101,6 @@ def build_default_model(out: Path) -> Path:
     return out
 
 
-def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(batch)
-    return torch.randint(2, vocab, (batch, prompt_len), generator=g).tolist()
-
-
 def build_ours(model_dir: Path, batch: int, dtype: str, graph: bool = False, k: int = 0):
     """The engine; with `graph`, one graph bucket of exactly `batch` (compiled here)."""
     from xllm_py import LLM
@@ -120,98 +119,42 @@ def build_ours(model_dir: Path, batch: int, dtype: str, graph: bool = False, k: 
     return llm
 
 
-def bench_ours(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtype: str) -> dict:
-    return run_ours(build_ours(model_dir, batch, dtype), batch, prompt_len, new_tokens)
-
-
 def run_ours(llm, batch: int, prompt_len: int, new_tokens: int) -> dict:
-    from xllm_py import SamplingParams
-
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    vocab = llm.engine.config.model.vocab_size
-    llm.generate(
-        [{"prompt_token_ids": p} for p in prompts_for(batch, prompt_len, vocab)],
-        params,
-        use_tqdm=False,
-    )  # warm-up
-    engine = llm.engine
-    for i, p in enumerate(prompts_for(batch, prompt_len, vocab)):
-        engine.add_request(f"b{i}", {"prompt_token_ids": p}, params)
-    t0 = time.perf_counter()
-    engine.step()  # prefill: every request gets its first token
-    t1 = time.perf_counter()
-    steps = 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    t2 = time.perf_counter()
+    """Decode tokens/s of one batch of random prompts, after an untimed run of the same."""
+    prompts = prompts_for(batch, prompt_len, llm.engine.config.model.vocab_size)
+    decode_run(llm, prompts, new_tokens)  # warm-up
+    r = decode_run(llm, prompts, new_tokens)
     decoded = batch * (new_tokens - 1)
-    return {
-        "prefill_s": t1 - t0,
-        "decode_s": t2 - t1,
-        "decode_tokens": decoded,
-        "decode_tok_s": decoded / (t2 - t1),
-        "decode_steps": steps,
-    }
+    return {"prefill_s": r["prefill_s"], "decode_s": r["decode_s"], "decode_tokens": decoded,
+            "decode_tok_s": decoded / r["decode_s"]}  # fmt: skip
 
 
 def run_graph_comparison(args, model_dir: Path) -> list[dict]:
-    """Per batch size: graph mode off and on, for each k of --graph-k (k > 0: MTP drafts,
-    which need held-out text, so the prompts here are random ids and acceptance is what
-    it is on them), runs interleaved --repeats times, medians reported; HF once."""
-    import statistics
-
+    """Per batch size: graph mode off and on, for each k of --graph-k (k > 0: MTP drafts on
+    random-id prompts, so acceptance is what it is on them), runs interleaved --repeats
+    times, medians reported; HF once."""
     rows = []
     for b in args.batch_sizes:
-        llms = {
-            (g, k): build_ours(model_dir, b, args.dtype, graph=g, k=k)
-            for k in args.graph_k
-            for g in (False, True)
-        }
-        runs: dict[tuple[bool, int], list[float]] = {key: [] for key in llms}
-        step_ms: dict[tuple[bool, int], list[float]] = {key: [] for key in llms}
-        steps: dict[tuple[bool, int], int] = {}
+        keys = [(g, k) for k in args.graph_k for g in (False, True)]
+        llms = {key: build_ours(model_dir, b, args.dtype, *key) for key in keys}
+        runs: dict[tuple[bool, int], list[float]] = {key: [] for key in keys}
         for _ in range(args.repeats):
             for key, llm in llms.items():
-                r = run_ours(llm, b, args.prompt_len, args.new_tokens)
-                runs[key].append(r["decode_tok_s"])
-                step_ms[key].append(1000 * r["decode_s"] / r["decode_steps"])
-                steps[key] = r["decode_steps"]
+                runs[key].append(run_ours(llm, b, args.prompt_len, args.new_tokens)["decode_tok_s"])
         hf = bench_hf(model_dir, b, args.prompt_len, args.new_tokens, args.dtype)["decode_tok_s"]
+        med = {key: statistics.median(v) for key, v in runs.items()}
         row = {"batch": b, "hf_decode_tok_s": hf, "configs": []}
-        for (g, k), tok_s in runs.items():
-            med = statistics.median(tok_s)
-            row["configs"].append(
-                {
-                    "graph": g,
-                    "k": k,
-                    "decode_tok_s": med,
-                    "runs_tok_s": tok_s,
-                    "start_s": llms[(g, k)].start_s,
-                    "vs_hf": med / hf,
-                    # greedy on fixed prompts: every run takes the same steps
-                    "decode_steps": steps[(g, k)],
-                    "tokens_per_step": (args.new_tokens - 1) / steps[(g, k)],
-                    "step_ms": statistics.median(step_ms[(g, k)]),
-                }
-            )
-        eager = {c["k"]: c["decode_tok_s"] for c in row["configs"] if not c["graph"]}
-        plain_graph = next(
-            (c["decode_tok_s"] for c in row["configs"] if c["graph"] and c["k"] == 0), None
-        )
-        plain_ms = {c["graph"]: c["step_ms"] for c in row["configs"] if c["k"] == 0}
-        for c in row["configs"]:
-            c["vs_eager_same_k"] = c["decode_tok_s"] / eager[c["k"]]
-            if plain_graph and c["graph"]:
-                c["vs_graph_k0"] = c["decode_tok_s"] / plain_graph
-            if c["graph"] in plain_ms:  # a step with k drafts, in plain steps (same mode)
-                c["step_cost_vs_k0"] = c["step_ms"] / plain_ms[c["graph"]]
+        for (g, k), tok_s in med.items():
+            c = {"graph": g, "k": k, "decode_tok_s": tok_s, "runs_tok_s": runs[g, k],
+                 "start_s": llms[g, k].start_s, "vs_hf": tok_s / hf,
+                 "vs_eager_same_k": tok_s / med[False, k]}  # fmt: skip
+            if g and (True, 0) in med:
+                c["vs_graph_k0"] = tok_s / med[True, 0]
+            row["configs"].append(c)
             print(
-                f"batch {b:>3} k={c['k']} graph={'on ' if c['graph'] else 'off'}: "
-                f"{c['decode_tok_s']:8.1f} tok/s  vs eager {c['vs_eager_same_k']:4.2f}x  "
-                f"vs HF {c['vs_hf']:4.2f}x  step {c['step_ms']:5.2f} ms "
-                f"({c.get('step_cost_vs_k0', float('nan')):4.2f} plain steps, "
-                f"{c['tokens_per_step']:4.2f} tok/step)  start {c['start_s']:5.1f} s",
+                f"batch {b:>3} k={k} graph={'on ' if g else 'off'}: {tok_s:8.1f} tok/s  "
+                f"vs eager {c['vs_eager_same_k']:4.2f}x  vs HF {c['vs_hf']:4.2f}x  "
+                f"start {c['start_s']:5.1f} s",
                 flush=True,
             )
         rows.append(row)
@@ -413,7 +356,7 @@ def main() -> None:
 def bench_plain(args, model_dir: Path) -> list[dict]:
     rows = []
     for b in args.batch_sizes:
-        ours = bench_ours(model_dir, b, args.prompt_len, args.new_tokens, args.dtype)
+        ours = run_ours(build_ours(model_dir, b, args.dtype), b, args.prompt_len, args.new_tokens)
         hf = bench_hf(model_dir, b, args.prompt_len, args.new_tokens, args.dtype)
         ratio = ours["decode_tok_s"] / hf["decode_tok_s"]
         rows.append({"batch": b, "xllm_py": ours, "hf_transformers": hf, "speedup": ratio})

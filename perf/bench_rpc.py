@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Cluster overheads, measured: the per-step gRPC control cost, and 1 node vs 2 nodes.
 
-    python perf/bench_rpc.py                    # writes perf/results/bench_rpc.json
+    python -m perf.bench_rpc                    # writes perf/results/bench_rpc.json
 
 1. Control overhead. A real worker process (node 1) registers with an in-process
    coordinator and loads the model; the master side then times ExecuteStep round trips
@@ -20,32 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from perf import bench_serving  # noqa: E402
-from perf.mtp_sweep import Daemon, machine, warm_up  # noqa: E402
-
-
-def free_port(span: int = 1) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            for i in range(1, span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
+from perf import bench_serving
+from perf.daemon import ROOT, Daemon, free_port, free_port_range, machine, warm_up
 
 
 def timed(fn, n: int) -> dict:
@@ -77,13 +58,13 @@ def control_overhead(n: int) -> dict:
     config = build_config(build_parser().parse_args(["--dtype=float32"]))
     coordinator = Coordinator(ClusterLayout(2, 2), model_fingerprint(config))
     server = serve_coordinator(f"127.0.0.1:{master_port}", coordinator)
-    worker = subprocess.Popen(
+    worker = Daemon(
         [
             sys.executable, "-m", "xllm_py", "--nnodes=2", "--dp_size=2", "--node_rank=1",
             f"--master_node_addr=127.0.0.1:{master_port}", f"--port={worker_port}",
             "--dtype=float32", "--heartbeat_timeout=120", "--log_level=warning",
         ],
-        cwd=ROOT,
+        log="/tmp/xllm-bench-rpc-worker.log", ready_path=None,
     )  # fmt: skip
     try:
         reg = coordinator.wait_all(120)[1]
@@ -111,10 +92,7 @@ def control_overhead(n: int) -> dict:
         ex.shutdown("benchmark done")
         return out
     finally:
-        try:
-            worker.wait(15)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        worker.stop(timeout=15)  # the executor's shutdown has stopped it already
         server.stop(0)
 
 
@@ -128,7 +106,7 @@ def throughput(args) -> list[dict]:
     rows = []
     for k in args.k:
         for name, nodes in setups.items():
-            master = free_port(2)  # + 1: torch.distributed rendezvous
+            master = free_port_range(2)  # + 1: torch.distributed rendezvous
             daemons = []
             try:
                 for rank in reversed(range(len(nodes))):  # workers first, master last
@@ -140,10 +118,8 @@ def throughput(args) -> list[dict]:
                     if len(nodes) > 1:
                         cmd += [f"--node_rank={rank}", f"--master_node_addr=127.0.0.1:{master}"]
                     log = args.log_dir / f"{name.replace(' ', '_')}_k{k}_node{rank}.log"
-                    if rank == 0:
-                        daemons.append(Daemon(cmd, log, port))
-                    else:
-                        daemons.append(_Background(cmd, log))
+                    ready = "/health" if rank == 0 else None  # a worker node has no HTTP
+                    daemons.append(Daemon(cmd, port, log, ready_path=ready))
                 url = daemons[-1].url
                 warm_up(url)
                 res = bench_serving.run(
@@ -183,22 +159,6 @@ def throughput(args) -> list[dict]:
                 for d in reversed(daemons):
                     d.stop()
     return rows
-
-
-class _Background:
-    """A worker node: started, not waited on (it has no HTTP)."""
-
-    def __init__(self, cmd: list[str], log: Path) -> None:
-        self.log = open(log, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def stop(self) -> None:
-        try:
-            self.proc.wait(30)  # the master's shutdown stops it
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 def main() -> None:

@@ -6,10 +6,10 @@ sampling rules, same metric definitions and the same JSON result keys, so result
 this script and from vLLM's can be compared side by side.
 
     python -m xllm_py --port 8000 --num_speculative_tokens=1 &     # or vllm / sglang
-    python perf/bench_serving.py --num-prompts 200 --max-concurrency 8
-    python perf/bench_serving.py --input-len 256 --output-len 128 --ignore-eos \\
+    python -m perf.bench_serving --num-prompts 200 --max-concurrency 8
+    python -m perf.bench_serving --input-len 256 --output-len 128 --ignore-eos \\
         --request-rate 4 --burstiness 0.5 --save-result --result-dir /tmp/bench
-    python perf/bench_serving.py --base-url http://gpu-host:8000 --endpoint /v1/chat/completions \\
+    python -m perf.bench_serving --base-url http://gpu-host:8000 --endpoint /v1/chat/completions \\
         --tokenizer /models/DeepSeek-V3 --dataset-path ShareGPT_V3_unfiltered_cleaned_split.json
 
 Workload. `--dataset-name sharegpt` (default) takes conversations with at least two turns,
@@ -86,7 +86,6 @@ import numpy as np
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 # ShareGPT filters, as in vLLM's benchmarks.
 MIN_LEN = 4
@@ -867,7 +866,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    args.command = shlex.join(["perf/bench_serving.py", *argv])
+    args.command = shlex.join(["python", "-m", "perf.bench_serving", *argv])
     return args
 
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """GPU decode report in one command, on a random DeepSeek-V3-shaped checkpoint with MTP.
 
-    python perf/gpu_report.py                                # CUDA: ~2.6B parameters, bf16 + FP8
-    python perf/gpu_report.py --formats bf16 --batch-sizes 1 8 --k 1
-    python perf/gpu_report.py --preset tiny --device cpu     # the same pipeline, tiny, on CPU
+    python -m perf.gpu_report                                # CUDA: ~2.6B parameters, bf16 + FP8
+    python -m perf.gpu_report --formats bf16 --batch-sizes 1 8 --k 1
+    python -m perf.gpu_report --preset tiny --device cpu     # the same pipeline, tiny, on CPU
 
 tools/make_random_checkpoint.py writes the checkpoint (with one MTP layer) in each format
 of --formats: bf16, and FP8 block-quantised. The JSON says how the loader held the weights
@@ -11,20 +11,21 @@ of --formats: bf16, and FP8 block-quantised. The JSON says how the loader held t
 Random prompt ids (fixed seed), greedy, EOS ignored, prefix cache off. For each format:
 
   decode tok/s   batch * (new_tokens - 1) / decode seconds at each batch size; the prefill
-                 step is timed apart and left out (as perf/bench_offline.py); after an
+                 step is timed apart and left out (perf/step_cost.py's decode_run); after an
                  untimed run of the same batch
   step split     ms per decode step in the target's MLA layers (attention), its MoE layers,
                  its dense MLP layers, its head (lm_head logits), the draft (the proposer:
                  MTP layer and its head) and the rest (scheduling, sampling, verification,
-                 Python); CUDA events on a GPU, the clock on CPU; a separate run, so the
-                 timed run carries no instrumentation
+                 Python), from perf/step_cost.py's torch.profiler split (a GPU: the
+                 kernels' device time; CPU: wall time); a separate run, so the timed run
+                 carries no instrumentation
   roofline       at batch 1: the bytes a decode step must read (the weights one token
                  touches: embedding row, attention, dense MLP, router, shared and top-k
                  routed experts, norms, head, in the dtype held, `*proj` matrices at 1 byte
                  plus block scales when held in FP8; plus the KV it attends over) / step time,
                  as a fraction of peak memory bandwidth (datasheet by device name, or
                  --hbm-gbps, or else measured here by a copy, which the JSON says)
-  MTP step cost  for each k of --k, an oracle draft (tests/oracle.py: the plain
+  MTP step cost  for each k of --k, an oracle draft (perf/oracle.py: the plain
                  run's continuation) while the real MTP layer still runs each step for its
                  cost: ms per MTP step / ms per plain step at the same batch, tokens per
                  step. Emitted tokens are pinned to the plain run's, so every draft is
@@ -39,9 +40,7 @@ perf/results/gpu/<device>.json (<device>-<preset>.json for a preset other than g
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import itertools
 import json
 import platform
 import re
@@ -53,11 +52,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from perf.oracle import install_oracle
+from perf.step_cost import LABELS, decode_run, profiled_split, prompts_for, sync
+from tools.make_random_checkpoint import BASE_CONFIG, make_random_checkpoint
 
-from perf.bench_offline import prompts_for  # noqa: E402
-from tools.make_random_checkpoint import BASE_CONFIG, make_random_checkpoint  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PRESETS = {
     # DeepSeek-V3's layout at hidden 2048 (V2-Lite's width), experts at half its 1408.
@@ -97,9 +96,7 @@ PEAK_BANDWIDTH = [
     (("A100", "80GB"), 2.0e12),
 ]
 BLOCK = 128  # KV cache block size (the engine's default)
-LABELS = ("attention", "moe", "dense_mlp", "head", "draft")
 FORMATS = ["bf16", "fp8"]
-_ids = itertools.count()
 
 
 def param_counts(cfg: dict) -> dict:
@@ -149,11 +146,6 @@ def table_bandwidth(name: str) -> float | None:
 
 def millions(n: int) -> str:
     return f"{n / 1e6:,.1f}M"
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -229,159 +221,6 @@ def make_llm(path: Path, cfg: dict, args, dtype: torch.dtype, k: int):
     )
 
 
-def decode_run(llm, prompts, new_tokens: int, device: torch.device, split=None) -> dict:
-    """One batch through the engine: the prefill step, then decode steps to the end."""
-    from xllm_py import SamplingParams
-
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    engine, before = llm.engine, llm.get_metrics()
-    ids = [f"r{next(_ids)}" for _ in prompts]
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, {"prompt_token_ids": p}, params)
-    sync(device)
-    t0 = time.perf_counter()
-    outs, steps = engine.step(), 0
-    sync(device)
-    t1 = time.perf_counter()
-    if split is not None:
-        split.on = True
-    while engine.has_unfinished():
-        outs += engine.step()
-        steps += 1
-    sync(device)
-    t2 = time.perf_counter()
-    if split is not None:
-        split.on = False
-    done = {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
-    m = llm.get_metrics()
-    return {
-        "prefill_s": t1 - t0,
-        "decode_s": t2 - t1,
-        "decode_steps": steps,
-        "tokens": [done[r] for r in ids],
-        "drafts": m.drafts - before.drafts,
-        "draft_tokens": m.draft_tokens - before.draft_tokens,
-        "accepted": m.accepted_tokens - before.accepted_tokens,
-    }
-
-
-class StepSplit:
-    """Time in labelled parts of decode steps: CUDA event pairs (read after the run, so
-    nothing in a step waits on them) or, on CPU, the clock."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda, self.spans, self.on, self.in_draft = device.type == "cuda", [], False, False
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def add(self, label: str, start) -> None:
-        self.spans.append((label, start, self.mark()))
-
-    def total_ms(self) -> dict:
-        if self.cuda:
-            torch.cuda.synchronize()
-        out = dict.fromkeys(LABELS, 0.0)
-        for label, s, e in self.spans:
-            out[label] += s.elapsed_time(e) if self.cuda else 1000 * (e - s)
-        return out
-
-
-def _timed(fn, label: str, split: StepSplit):
-    def run(*a, **kw):
-        if not split.on or split.in_draft:
-            return fn(*a, **kw)
-        start, split.in_draft = split.mark(), label == "draft"
-        try:
-            return fn(*a, **kw)
-        finally:
-            split.in_draft = False
-            split.add(label, start)
-
-    return run
-
-
-@contextlib.contextmanager
-def instrumented(llm, split: StepSplit):
-    """Hooks on the target's MLA and MLP/MoE modules, wrappers on its head and on the
-    proposer, timing while `split.on`; the head called from the draft counts as draft."""
-    from xllm_py.models.layers.moe import MoE
-
-    worker = llm.engine.core.executor.worker
-    model, proposer, starts, handles = worker.model, worker.runner.proposer, {}, []
-
-    def pre(mod, _args):
-        if split.on and not split.in_draft:
-            starts[mod] = split.mark()
-
-    def post(label):
-        def hook(mod, _args, _out):
-            if mod in starts:
-                split.add(label, starts.pop(mod))
-
-        return hook
-
-    for lay in model.model.layers:
-        mlp = "moe" if isinstance(lay.mlp, MoE) else "dense_mlp"
-        for mod, label in ((lay.self_attn, "attention"), (lay.mlp, mlp)):
-            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post(label))]
-    wrapped = [(model, "compute_logits", "head")]
-    if proposer is not None:
-        wrapped.append((proposer, "propose", "draft"))
-    for obj, name, label in wrapped:
-        setattr(obj, name, _timed(getattr(obj, name), label, split))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        for obj, name, _ in wrapped:
-            delattr(obj, name)  # the class's method again
-
-
-def step_split(llm, prompts, new_tokens: int, device: torch.device) -> dict:
-    split = StepSplit(device)
-    with instrumented(llm, split):
-        r = decode_run(llm, prompts, new_tokens, device, split)
-    step = 1000 * r["decode_s"] / r["decode_steps"]
-    ms = {label: v / r["decode_steps"] for label, v in split.total_ms().items()}
-    ms["other"] = max(step - sum(ms.values()), 0.0)
-    return {"step_ms": step, "ms": ms, "fraction": {k: v / step for k, v in ms.items()}}
-
-
-def install_oracle(llm, reference: dict, k: int) -> list[int]:
-    """The oracle draft in front of the real MTP proposer, and every emitted token pinned to
-    the reference (the plain run's): the verification still runs at full cost, but a near-tie
-    that rounds the other way in a (k + 1)-row pass (bfloat16; on a GPU the MoE sums by
-    atomics) cannot put a request off the reference, after which the oracle could propose
-    nothing right. Returns [tokens the verification chose itself, tokens emitted], counted
-    as they go."""
-    from tests.oracle import OracleProposer
-
-    runner = llm.engine.core.executor.worker.runner
-    runner.proposer = OracleProposer(runner, reference, k, inner=runner.proposer)
-    sample, tally = runner._sample, [0, 0]
-
-    def pinned(req_ids, sample_reqs, logits, spec, grammar=None):
-        out = sample(req_ids, sample_reqs, logits, spec, grammar)
-        for i, got in enumerate(out.sampled_token_ids):
-            req = runner.requests[req_ids[i]]
-            n, full = len(req.token_ids), reference[tuple(req.token_ids[: req.num_prompt_tokens])]
-            want = (full[n : n + len(spec.get(req_ids[i], [])) + 1] or got) if got else got
-            same = [a == b for a, b in zip(got, want)] + [False]
-            tally[0] += same.index(False)  # the verification's own tokens, up to a difference
-            tally[1] += len(want)
-            out.sampled_token_ids[i] = want
-        return out
-
-    runner._sample = pinned
-    return tally
-
-
 def bench_engine(llm, k: int, args, device, vocab: int, plain: dict, reference: dict) -> list:
     """Every batch size on one engine (k drafts; k = 0 records the plain baseline)."""
     rows, tally = [], install_oracle(llm, reference, k) if k else None
@@ -390,14 +229,14 @@ def bench_engine(llm, k: int, args, device, vocab: int, plain: dict, reference: 
         decode_run(llm, prompts, args.new_tokens, device)  # warm-up: every shape of the run
         agreed, emitted = tally or (0, 0)
         r = decode_run(llm, prompts, args.new_tokens, device)
-        step_ms = 1000 * r["decode_s"] / r["decode_steps"]
+        step_ms = r["step_ms"]
         row = {
             "k": k,
             "batch": b,
             "decode_tok_s": b * (args.new_tokens - 1) / r["decode_s"],
             "step_ms": step_ms,
             "decode_steps": r["decode_steps"],
-            "tokens_per_step": (args.new_tokens - 1) / r["decode_steps"],
+            "tokens_per_step": r["tokens_per_step"],
             "prefill_s": r["prefill_s"],
         }
         if k == 0:
@@ -412,7 +251,7 @@ def bench_engine(llm, k: int, args, device, vocab: int, plain: dict, reference: 
                 mean_acceptance_length=1 + r["accepted"] / max(r["drafts"], 1),
                 verification_agreement=(tally[0] - agreed) / (tally[1] - emitted),
             )
-        row["split"] = step_split(llm, prompts, args.new_tokens, device)
+        row["split"] = profiled_split(llm, prompts, args.new_tokens, device)
         print(
             f"  k={k} batch {b:>3}: {row['decode_tok_s']:9.1f} tok/s  step {step_ms:7.2f} ms"
             f"  {row['tokens_per_step']:.2f} tok/step  split: "
@@ -622,8 +461,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"peak bandwidth {peak['bytes_per_s'] / 1e9:.0f} GB/s: {peak['source']}", flush=True)
     result = {
         "benchmark": "decode on a random DeepSeek-V3-shaped checkpoint with MTP "
-        "(perf/gpu_report.py), greedy, EOS ignored, random prompt ids",
-        "command": " ".join(["python", *(sys.argv if argv is None else [__file__, *argv])]),
+        "(python -m perf.gpu_report), greedy, EOS ignored, random prompt ids",
+        "command": " ".join(["python", "-m", "perf.gpu_report", *(argv or sys.argv[1:])]),
         "device": {
             "type": device.type,
             "name": name,

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Acceptance vs cost of a hot-vocabulary MTP draft head (--speculative_draft_vocab_size).
 
-    python perf/hot_vocab.py                       # bundled model, its token map
-    python perf/hot_vocab.py --sizes 256 1024 0 --k 1 2 --prompts 16 --tokens 48
+    python -m perf.hot_vocab                       # bundled model, its token map
+    python -m perf.hot_vocab --sizes 256 1024 0 --k 1 2 --prompts 16 --tokens 48
 
 For each draft vocabulary size N (0 = the whole vocabulary) and each k, one engine
 decodes held-out ShareGPT prompts one at a time (concurrency 1, greedy, float32) and the
@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from xllm_py import LLM, SamplingParams
+from xllm_py.sharegpt import held_out_user_turns
 
-from xllm_py import LLM, SamplingParams  # noqa: E402
-from xllm_py.sharegpt import held_out_user_turns  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_OUTPUT = ROOT / "perf/results/hot_vocab.json"
 

@@ -2,8 +2,8 @@
 """llama.cpp (through llama-cpp-python) as a peer engine for the serving sweep.
 
     pip install -e .[llamacpp]            # compiles llama.cpp (about 20 min on 2 cores)
-    python perf/llama_cpp_peer.py         # convert the bundled model, greedy agreement
-    python perf/llama_cpp_peer.py --server-check     # + serve it, run bench_serving on it
+    python -m perf.llama_cpp_peer         # convert the bundled model, greedy agreement
+    python -m perf.mtp_sweep --peer llama.cpp    # serve it and benchmark it beside ours
 
 What it gives perf/mtp_sweep.py:
 
@@ -59,8 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from perf.daemon import ROOT, Daemon
 
 DIST = "llama-cpp-python"  # the PyPI distribution (module: llama_cpp)
 READY_PATH = "/v1/models"  # llama_cpp.server has no /health
@@ -229,13 +228,12 @@ def converter_dir(version: str | None = None, cache_dir: Path = CACHE_DIR) -> Pa
     return out
 
 
-# Run in a subprocess: puts the converter and its gguf-py first on sys.path, optionally
+# Run in a subprocess whose PYTHONPATH holds the converter and its gguf-py: optionally
 # makes an unrecognised BPE pre-tokenizer fall back to argv[2] (instead of stopping), then
 # runs the converter's main() with the remaining arguments.
 _BOOTSTRAP = """\
 import logging, sys
 conv, pre = sys.argv[1], sys.argv[2]
-sys.path[:0] = [conv, conv + "/gguf-py"]
 try:
     from conversion import base as where  # the converter split into a package
 except ImportError:
@@ -260,11 +258,15 @@ script.main()
 def conversion_command(
     converter: Path, model_copy: Path, outfile: Path, outtype: str = GGUF_OUTTYPE, pre: str = ""
 ) -> list[str]:
-    """The command converting `model_copy` to `outfile`; `pre`: the pre-tokenizer for an
-    unrecognised tokenizer ("" = none, the converter stops on one)."""
+    """The command converting `model_copy` to `outfile` (through `env`, with the converter
+    on PYTHONPATH); `pre`: the pre-tokenizer for an unrecognised tokenizer ("" = none, the
+    converter stops on one)."""
+    path = os.pathsep.join(
+        [str(converter), f"{converter}/gguf-py", os.environ.get("PYTHONPATH", "")]
+    )
     return [
-        sys.executable, "-c", _BOOTSTRAP, str(converter), pre,
-        str(model_copy), "--outfile", str(outfile), "--outtype", outtype,
+        "env", f"PYTHONPATH={path.rstrip(os.pathsep)}", sys.executable, "-c", _BOOTSTRAP,
+        str(converter), pre, str(model_copy), "--outfile", str(outfile), "--outtype", outtype,
     ]  # fmt: skip
 
 
@@ -585,111 +587,16 @@ def greedy_agreement(
 # ---- serving check ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(gguf: Path, port: int, n_ctx: int, threads: int, log: Path, timeout=300):
     """server_command running until the block ends; yields its base URL once READY_PATH
     answers 200."""
-    import httpx
-
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(
-            server_command(gguf, port, n_ctx, threads),
-            stdout=logf, stderr=subprocess.STDOUT, env=server_env(), start_new_session=True,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"llama_cpp.server exited with {proc.returncode}; see {log}")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(url + READY_PATH, timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"llama_cpp.server not ready after {timeout} s; see {log}")
-                time.sleep(0.5)
-            yield url
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-
-
-def server_check(gguf: Path, model_dir: Path, threads: int, log: Path) -> dict[str, Any]:
-    """Serve `gguf`, then: one streamed completion as bench_serving sends it and one with
-    extra_request_body() (finish reason, text chunks, re-tokenized length, usage), and
-    perf/bench_serving.py run unchanged at concurrency 1 and 2 (short fixed lengths)."""
-    import httpx
-
-    from perf import bench_serving
-
-    port = free_port()
-    out: dict[str, Any] = {"port": port, "ready_path": READY_PATH}
-    with running_server(gguf, port, 2048, threads, log) as url:
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        health = httpx.get(url + "/health")
-        out["health_status"] = health.status_code
-        prompt = "Tell me about the history of the Roman empire."
-        for name, extra in (
-            ("as_bench_serving_sends", {}),
-            ("with_extra_request_body", extra_request_body(model_dir)),
-        ):
-            body = {
-                "model": model, "prompt": prompt, "max_tokens": 64, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                **extra,
-            }  # fmt: skip
-            chunks, text, usage, finish = 0, [], None, None
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    msg = json.loads(line[6:])
-                    usage = msg.get("usage") or usage
-                    for c in msg.get("choices") or []:
-                        if c.get("text"):
-                            chunks += 1
-                            text.append(c["text"])
-                        finish = c.get("finish_reason") or finish
-            tok = bench_serving.load_tokenizer(str(model_dir))
-            out[name] = {
-                "chunks_with_text": chunks,
-                "retokenized_output_tokens": len(
-                    tok.encode("".join(text), add_special_tokens=False)
-                ),
-                "usage": usage,
-                "finish_reason": finish,
-                "text": "".join(text),
-            }
-        out["bench_serving"] = {}
-        for conc, n, in_len, out_len in ((1, 4, 256, 128), (2, 8, 128, 64)):
-            res = bench_serving.run([
-                "--base-url", url, "--tokenizer", str(model_dir), "--dataset-name", "sharegpt",
-                "--num-prompts", str(n), "--max-concurrency", str(conc),
-                "--input-len", str(in_len), "--output-len", str(out_len), "--ignore-eos",
-                "--temperature", "0", "--disable-tqdm",
-            ])  # fmt: skip
-            keep = ("completed", "failed", "total_input_tokens", "total_output_tokens",
-                    "output_throughput", "mean_ttft_ms", "mean_tpot_ms", "duration")  # fmt: skip
-            out["bench_serving"][f"concurrency_{conc}"] = {
-                "input_len": in_len,
-                "output_len": out_len,
-                **{k: res[k] for k in keep},
-            }
-    return out
+    server = Daemon(server_command(gguf, port, n_ctx, threads), port, log, READY_PATH,
+                    server_env(), group=True, startup_timeout=timeout)  # fmt: skip
+    try:
+        yield server.url
+    finally:
+        server.stop(timeout=30)
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -709,11 +616,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument(
         "--threads", type=int, default=server_threads(), help="llama.cpp's, in-process and served"
-    )
-    ap.add_argument(
-        "--server-check",
-        action="store_true",
-        help="also start llama_cpp.server and run perf/bench_serving.py against it",
     )
     ap.add_argument("--output", type=Path, default=RESULT, help="result JSON")
     args = ap.parse_args(argv)
@@ -754,7 +656,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(
-            ["perf/llama_cpp_peer.py", *(argv if argv is not None else sys.argv[1:])]
+            ["python", "-m", "perf.llama_cpp_peer", *(argv if argv is not None else sys.argv[1:])]
         ),
         "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
@@ -764,22 +666,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "gguf": {**stamp, "file": gguf.name, "bytes": gguf.stat().st_size},
         "agreement": agree,
     }
-    if args.server_check:
-        log = CACHE_DIR / "llama_cpp_server.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        result["server"] = server_check(gguf, args.model_dir, args.threads, log)
-        for name in ("as_bench_serving_sends", "with_extra_request_body"):
-            s = result["server"][name]
-            print(
-                f"server, {name}: finish {s['finish_reason']}, {s['chunks_with_text']} text "
-                f"chunks, {s['retokenized_output_tokens']} tokens re-tokenized (max_tokens 64)"
-            )
-        for name, r in result["server"]["bench_serving"].items():
-            print(
-                f"bench_serving {name}: {r['completed']} ok / {r['failed']} failed, "
-                f"{r['output_throughput']:.1f} output tok/s, TPOT {r['mean_tpot_ms']:.1f} ms, "
-                f"TTFT {r['mean_ttft_ms']:.1f} ms"
-            )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")
     print(f"Wrote {args.output}")

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Peak memory and speed of loading an FP8 checkpoint, dequantised at load and FP8-resident.
 
-    python perf/load_memory.py                        # ~1 GB random FP8 checkpoint, 1 rank
-    python perf/load_memory.py --checkpoint DIR --output perf/results/load_memory.json
+    python -m perf.load_memory                        # ~1 GB random FP8 checkpoint, 1 rank
+    python -m perf.load_memory --checkpoint DIR --output perf/results/load_memory.json
 
 Builds (once, under --work-dir) a random DeepSeek-V3-shaped FP8 checkpoint of about 1 GB
 (tools/make_random_checkpoint.py, 128 x 128 blocks, 4 shards), then for each weight format
@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 OVERRIDES = dict(
     hidden_size=1024,
@@ -155,7 +154,8 @@ def main() -> None:
     for wd in ("float32", "fp8"):
         t = time.monotonic()
         out = subprocess.run(
-            [sys.executable, __file__, "--child", str(path), wd],
+            [sys.executable, "-m", "perf.load_memory", "--child", str(path), wd],
+            cwd=ROOT,
             capture_output=True,
             text=True,
             check=True,

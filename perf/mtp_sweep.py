@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Baseline vs MTP serving sweep, in one command: the table, a plot and all raw JSON.
 
-    python perf/mtp_sweep.py --scale cpu                       # bundled model, this machine
-    python perf/mtp_sweep.py --scale full --model /models/DeepSeek-V3 \\
+    python -m perf.mtp_sweep --scale cpu                       # bundled model, this machine
+    python -m perf.mtp_sweep --scale full --model /models/DeepSeek-V3 \\
         --server-args "--devices=cuda:0 --draft_model /models/DeepSeek-V3-MTP"
 
 For each method (baseline = no drafts, then MTP with each k of --k) it starts our
@@ -21,7 +21,7 @@ Writes into --result-dir: results.md (one row per method and concurrency, baseli
 and MTP interleaved: mean TPOT, mean TTFT, output and total tokens/s, speedup over
 the baseline at that concurrency, mean acceptance length, and the ceiling: the batch-1
 bandwidth bound on the speedup at the row's k and acceptance length, from
-perf/mtp_ceiling.py), sweep.png (output
+perf/step_cost.py), sweep.png (output
 tokens/s and TPOT against concurrency), sweep.json (everything, with the command
 and the machine) and raw/ (one bench_serving JSON per run). With --hf-peer, the
 same prompts also go through HF transformers `generate` one at a time (offline,
@@ -32,24 +32,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from perf import bench_serving, mtp_ceiling  # noqa: E402
-from xllm_py.assets import bundled_model  # noqa: E402
+from perf import bench_serving, step_cost
+from perf.daemon import ROOT, Daemon, flag_value, machine, warm_up
+from xllm_py.assets import bundled_model
 
 PRESETS = {
     "full": {"input_len": 2500, "output_len": 1500, "prompts": lambda c: 80},
@@ -57,86 +49,6 @@ PRESETS = {
 }
 DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16, 20, 40, 80]
 STARTUP_TIMEOUT_S = 600
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f"{kb / 2**20:.0f} GiB"
-    except (OSError, ValueError, IndexError):
-        pass
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory": mem,
-        "gpu": gpu,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "git_commit": commit,
-    }
-
-
-class Daemon:
-    """Our server (or --launch) on a port, up until stop(). With `stop_cmd`, the launch
-    command is a launcher that may exit 0 once it has started the servers in the
-    background (scripts/launch_cluster.sh); `stop_cmd` then stops them."""
-
-    def __init__(
-        self,
-        cmd: list[str],
-        log: Path,
-        port: int,
-        stop_cmd: list[str] | None = None,
-        ready_path: str = "/health",
-        env: dict[str, str] | None = None,
-    ) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.stop_cmd = stop_cmd
-        self.log = open(log, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            code = self.proc.poll()
-            if code is not None and not (code == 0 and stop_cmd):
-                self.stop()
-                raise RuntimeError(f"server exited with {code}; see {log}")
-            try:
-                if httpx.get(self.url + ready_path, timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s; see {log}")
-
-    def stop(self) -> None:
-        if self.stop_cmd:
-            subprocess.run(self.stop_cmd, stdout=self.log, stderr=subprocess.STDOUT, timeout=120)
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
 
 
 def server_command(args, k: int, port: int, adaptive: bool = False) -> list[str]:
@@ -174,16 +86,6 @@ def bench_argv(
     if extra_body:
         argv += ["--extra-body", json.dumps(extra_body)]
     return argv
-
-
-def warm_up(base_url: str, extra_body: dict | None = None) -> None:
-    """A few requests so first-call costs (allocation, lazy init) stay out of the figures."""
-    model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    body = {"model": model, "prompt": "Hello", "max_tokens": 16, "ignore_eos": True}
-    for _ in range(3):
-        httpx.post(
-            base_url + "/v1/completions", json={**body, **(extra_body or {})}, timeout=300
-        ).raise_for_status()
 
 
 @dataclass
@@ -284,19 +186,8 @@ def table(rows: list[dict], peer: dict | None) -> str:
     return out
 
 
-def flag_value(flags: list[str], name: str) -> str | None:
-    """The value of --name in a daemon command line (--name=v or --name v), else None."""
-    value = None
-    for i, f in enumerate(flags):
-        if f.startswith(f"--{name}="):
-            value = f.split("=", 1)[1]
-        elif f == f"--{name}" and i + 1 < len(flags):
-            value = flags[i + 1]
-    return value
-
-
 def add_ceiling(args, rows: list[dict], input_len: int, output_len: int) -> dict | None:
-    """Each MTP row's `ceiling` (perf/mtp_ceiling.py) at its k and measured acceptance length,
+    """Each MTP row's `ceiling` (perf/step_cost.py) at its k and measured acceptance length,
     the KV read over input_len + output_len / 2 tokens; routing statistics from
     --ceiling-routing, else measured here on the model (which must then fit this machine).
     A failure leaves the column empty rather than losing the sweep."""
@@ -309,16 +200,16 @@ def add_ceiling(args, rows: list[dict], input_len: int, output_len: int) -> dict
         flags = shlex.split(args.server_args)
         draft = flag_value(flags, "draft_model")
         vocab = int(flag_value(flags, "speculative_draft_vocab_size") or 0)
-        bm = mtp_ceiling.byte_model(model, draft_model=draft, draft_vocab=vocab)
+        bm = step_cost.byte_model(model, draft_model=draft, draft_vocab=vocab)
         if args.ceiling_routing:
             routing = json.loads(args.ceiling_routing.read_text())["routing"]
         else:
             window = max(k for _, k in rows_k) + 1
-            routing = mtp_ceiling.routing_stats(model, args.ceiling_prompts, 32, window, draft)
+            routing = step_cost.routing_stats(model, args.ceiling_prompts, 32, window, draft)
         context = input_len + output_len // 2
         for r, k in rows_k:
             acc = r["spec_decode_acceptance_length"]
-            r["ceiling"] = mtp_ceiling.ceiling_row(bm, routing, k, acc, context)["ceiling"]
+            r["ceiling"] = step_cost.ceiling_row(bm, routing, k, acc, context)["ceiling"]
     except Exception as e:  # noqa: BLE001 - the column is an extra, the sweep is the result
         print(f"ceiling column left empty: {type(e).__name__}: {e}", flush=True)
         return None
@@ -401,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--ceiling-routing",
         type=Path,
         default=None,
-        help="a perf/mtp_ceiling.py JSON of this model whose routing statistics the ceiling "
+        help="a perf/step_cost.py JSON of this model whose routing statistics the ceiling "
         "uses (default: measured here, which loads the model in this process)",
     )
     ap.add_argument(
@@ -446,7 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"== {m.name}: starting the server", flush=True)
         ours = m.ready_path == "/health"  # --launch-stop is for our launcher's servers
         log = args.result_dir / f"server_{m.tag}.log"
-        daemon = Daemon(m.cmd, log, args.port, stop if ours else None, m.ready_path, m.env)
+        daemon = Daemon(m.cmd, args.port, log, m.ready_path, m.env, stop if ours else None,
+                        group=True, startup_timeout=STARTUP_TIMEOUT_S)  # fmt: skip
         try:
             warm_up(daemon.url, m.extra_body)
             for c in args.concurrency:
@@ -490,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
                 }
             )
     peer = hf_peer(args, args.hf_peer_prompts) if args.hf_peer else None
-    command = " ".join(["python", "perf/mtp_sweep.py", *given])
+    command = " ".join(["python", "-m", "perf.mtp_sweep", *given])
     ceiling = add_ceiling(args, rows, input_len, output_len)
     summary = {
         "command": command,
@@ -511,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{summary['output_len']} output tokens (ignore_eos), greedy; the same prompts and "
         "settings for every method. Speedup = output tok/s over the baseline at the same "
         "concurrency, measured in this run. Ceiling = the batch-1 bandwidth bound on that "
-        "speedup at the row's k and acceptance length (perf/mtp_ceiling.py; perf/README.md "
+        "speedup at the row's k and acceptance length (perf/step_cost.py; perf/README.md "
         "says how to read it).\n\n" + table(rows, peer) + peer_note(peer_engine)
     )
     (args.result_dir / "results.md").write_text(md)

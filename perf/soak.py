@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Soak: thousands of mixed requests, aborts and KV pressure against one daemon, then checks.
 
-    python perf/soak.py                           # 2,000 requests at concurrency 64 (~6 min here)
-    python perf/soak.py --requests 200 --result /tmp/soak.json
-    python perf/soak.py --server-args="--num_speculative_tokens=2 --block_size=16" \\
+    python -m perf.soak                           # 2,000 requests at concurrency 64 (~6 min here)
+    python -m perf.soak --requests 200 --result /tmp/soak.json
+    python -m perf.soak --server-args="--num_speculative_tokens=2 --block_size=16" \\
         --max-cache-size 96
 
 It starts the daemon itself (`--model`, default the bundled model; `--server-args`, default
@@ -65,16 +65,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from perf.bench_serving import load_tokenizer, sample_sharegpt  # noqa: E402
-from perf.mtp_sweep import flag_value, machine  # noqa: E402
-from tests.server_utils import Server  # noqa: E402
-from xllm_py.assets import bundled_model  # noqa: E402
-from xllm_py.config import CacheConfig, DeviceConfig, ModelConfig  # noqa: E402
-from xllm_py.sharegpt import held_out_user_turns  # noqa: E402
+from perf.bench_serving import load_tokenizer, sample_sharegpt
+from perf.daemon import ROOT, Server, flag_value, machine
+from xllm_py.assets import bundled_model
+from xllm_py.config import CacheConfig, DeviceConfig, ModelConfig
+from xllm_py.sharegpt import held_out_user_turns
 
 STOP_POOL = (".", "\n", ",", "?", "!", ":", " the", " and", " is")
 FINISHED = ("stop", "length")
@@ -475,36 +472,11 @@ def _thin(items: list, most: int) -> list:
     return items[::step] + ([items[-1]] if (len(items) - 1) % step else [])
 
 
-def _progress_bar(total: int, disable: bool):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # a plain counter line instead
-        return _Counter(total, disable)
-    return tqdm(total=total, disable=disable, desc="soak", unit="req")
-
-
-class _Counter:
-    def __init__(self, total: int, disable: bool) -> None:
-        self.total, self.n, self.disable = total, 0, disable
-
-    def update(self, k: int) -> None:
-        self.n += k
-        if not self.disable:
-            print(f"\rsoak: {self.n}/{self.total}", end="", flush=True)
-
-    def set_postfix(self, **kw) -> None:
-        pass
-
-    def close(self) -> None:
-        if not self.disable:
-            print()
-
-
 async def run_load(client, specs: list[Spec], probes: list[Spec], args, pid: int) -> dict:
     """The requests at --concurrency, probe rounds spread over the run, and the RSS of the
     daemon (process `pid`) sampled alongside."""
     progress, limit = Progress(), asyncio.Semaphore(args.concurrency)
-    bar = _progress_bar(len(specs), args.no_progress)
+    bar = tqdm(total=len(specs), disable=args.no_progress, desc="soak", unit="req")
     outcomes: list[Outcome | None] = [None] * len(specs)
 
     async def one(spec: Spec) -> None:
@@ -694,75 +666,41 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     """The docstring as written, and every flag's default after its help."""
 
 
+FLAGS = [  # (flag, type, default, help); every flag's default is printed after its help
+    ("--requests", int, 2000, "requests in the load"),
+    ("--concurrency", int, 64, "requests in flight at once"),
+    ("--abort-fraction", float, 0.1, "fraction of the requests the client abandons"),
+    ("--seed", int, 0, "seed of the prompts and every random choice"),
+    ("--max-tokens", int, 48,
+     "max_tokens of each request is drawn from 1..this (probes: --probe-tokens)"),
+    ("--max-cache-size", int, 12,
+     "KV cache in blocks (of --block_size tokens, default 128), converted to the daemon's "
+     "--max_cache_size in bytes; small enough to force preemption. 0 = the daemon's own "
+     "sizing. 12 blocks of 128 hold 1536 tokens: the longest request (1024 prompt + 48 "
+     "tokens) fits, 64 running requests do not"),
+    ("--server-args", str, "--num_speculative_tokens=1",
+     "flags for the daemon, one quoted string (the default turns MTP on, k = 1)"),
+    ("--model", str, None, "checkpoint directory; None: the bundled model"),
+    ("--probes", int, 8, "greedy probe requests"),
+    ("--probe-rounds", int, 4, "times the probes are sent during the load, evenly spread"),
+    ("--probe-tokens", int, 32, "max_tokens of a probe"),
+    ("--warmup-fraction", float, 0.2,
+     "RSS growth is measured from when this fraction of requests finished"),
+    ("--max-rss-growth", float, 0.10, "largest RSS growth after warm-up that passes"),
+    ("--rss-interval", float, 0.5, "seconds between RSS samples"),
+    ("--settle-timeout", float, 60.0,
+     "seconds the gauges may take to return to 0 after the load"),
+    ("--request-timeout", float, 600.0, "client timeout per request (s)"),
+    ("--startup-timeout", float, 600.0, "seconds the daemon may take to start"),
+    ("--result", Path, ROOT / "perf/results/soak.json", "JSON result file"),
+]  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
-    add = p.add_argument
-    add("--requests", type=int, default=2000, help="requests in the load")
-    add("--concurrency", type=int, default=64, help="requests in flight at once")
-    add(
-        "--abort-fraction",
-        type=float,
-        default=0.1,
-        help="fraction of the requests the client abandons",
-    )
-    add("--seed", type=int, default=0, help="seed of the prompts and every random choice")
-    add(
-        "--max-tokens",
-        type=int,
-        default=48,
-        help="max_tokens of each request is drawn from 1..this (probes: --probe-tokens)",
-    )
-    add(
-        "--max-cache-size",
-        type=int,
-        default=12,
-        help="KV cache in blocks (of --block_size tokens, default 128), converted to the "
-        "daemon's --max_cache_size in bytes; small enough to force preemption. 0 = the "
-        "daemon's own sizing. 12 blocks of 128 hold 1536 tokens: the longest request (1024 "
-        "prompt + 48 tokens) fits, 64 running requests do not",
-    )
-    add(
-        "--server-args",
-        default="--num_speculative_tokens=1",
-        help="flags for the daemon, one quoted string (the default turns MTP on, k = 1)",
-    )
-    add("--model", default=None, help="checkpoint directory; None: the bundled model")
-    add("--probes", type=int, default=8, help="greedy probe requests")
-    add(
-        "--probe-rounds",
-        type=int,
-        default=4,
-        help="times the probes are sent during the load, evenly spread",
-    )
-    add("--probe-tokens", type=int, default=32, help="max_tokens of a probe")
-    add(
-        "--warmup-fraction",
-        type=float,
-        default=0.2,
-        help="RSS growth is measured from when this fraction of requests finished",
-    )
-    add(
-        "--max-rss-growth",
-        type=float,
-        default=0.10,
-        help="largest RSS growth after warm-up that passes",
-    )
-    add("--rss-interval", type=float, default=0.5, help="seconds between RSS samples")
-    add(
-        "--settle-timeout",
-        type=float,
-        default=60.0,
-        help="seconds the gauges may take to return to 0 after the load",
-    )
-    add("--request-timeout", type=float, default=600.0, help="client timeout per request (s)")
-    add("--startup-timeout", type=float, default=600.0, help="seconds the daemon may take to start")
-    add(
-        "--result",
-        type=Path,
-        default=ROOT / "perf/results/soak.json",
-        help="JSON result file",
-    )
-    add("--no-progress", action="store_true", help="no progress bar")
+    for flag, kind, default, text in FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=text)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -812,7 +750,7 @@ def main(argv: list[str] | None = None) -> dict:
     run = soak(args, specs, probes, flags)
     outcomes = run["outcomes"]
     result = {
-        "command": shlex.join(["python", "perf/soak.py", *given]),
+        "command": shlex.join(["python", "-m", "perf.soak", *given]),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "daemon_flags": flags,
         "machine": machine(),

@@ -1,7 +1,7 @@
 """What structured outputs cost: output tokens/s with and without a JSON schema, plain
 decoding (k = 0) and MTP (k = 1), offline on the bundled model.
 
-    .venv/bin/python perf/structured_cost.py        # about 2 minutes here
+    .venv/bin/python -m perf.structured_cost        # about 2 minutes here
 
 --prompts held-out ShareGPT chat prompts, greedy, up to --max-tokens each; the schema
 arm asks each for an object of a few bounded fields. The grammar ends those outputs
@@ -25,13 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from perf.daemon import machine
+from xllm_py import LLM, SamplingParams
+from xllm_py.sampling_params import StructuredOutput
+from xllm_py.sharegpt import held_out_user_turns
 
-from perf.mtp_sweep import machine  # noqa: E402
-from xllm_py import LLM, SamplingParams  # noqa: E402
-from xllm_py.sampling_params import StructuredOutput  # noqa: E402
-from xllm_py.sharegpt import held_out_user_turns  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SCHEMA = {
     "type": "object",
@@ -115,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = r["median_output_tok_s"] / med[(r["k"], "none")]
         print(f"{r['k']:>2} {r['constraint']:>22} {r['median_output_tok_s']:13.1f} {ratio:8.2f}")
     result = {
-        "command": "python perf/structured_cost.py " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m perf.structured_cost " + " ".join(argv or sys.argv[1:]),
         "machine": machine(),
         "settings": {k: v for k, v in vars(args).items() if k != "output"},
         "schema": SCHEMA,

@@ -16,7 +16,7 @@ from perf.bench_serving import (
     run,
     spec_decode_stats,
 )
-from tests.server_utils import Server
+from perf.daemon import Server
 
 
 class WordTokenizer:

@@ -1,4 +1,4 @@
-"""perf/gpu_report.py, end to end on CPU with the tiny preset: its JSON holds every figure
+"""python -m perf.gpu_report, end to end on CPU with the tiny preset: its JSON holds every figure
 the report promises (decode tok/s per batch, the step split, the batch-1 roofline, the MTP
 step cost with an oracle draft), with the values that must hold whatever this machine's
 speed; and its parameter count agrees with the checkpoint layout of our model classes."""
@@ -23,7 +23,7 @@ BATCHES, KS, NEW_TOKENS = [1, 3], [1, 3], 8
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_report") / "report.json"
-    cmd = [sys.executable, "perf/gpu_report.py", "--preset", "tiny", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "perf.gpu_report", "--preset", "tiny", "--device", "cpu"]
     cmd += ["--batch-sizes", *map(str, BATCHES), "--k", *map(str, KS), "--prompt-len", "8"]
     cmd += ["--new-tokens", str(NEW_TOKENS), "--threads", "1", "--output", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from perf import llama_cpp_peer as peer
+from perf.daemon import free_port
 from xllm_py.assets import BUNDLED_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -372,12 +373,13 @@ def test_compare_tokens():
 
 def test_cli_help():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "perf" / "llama_cpp_peer.py"), "--help"],
+        [sys.executable, "-m", "perf.llama_cpp_peer", "--help"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 0 and "--server-check" in proc.stdout
+    assert proc.returncode == 0 and "--max-tokens" in proc.stdout
 
 
 # ---- with llama.cpp -----------------------------------------------------------------------------
@@ -404,7 +406,7 @@ def test_llama_cpp_decodes_the_bundled_model_as_we_do(bundled_gguf):
 def test_llama_cpp_server_runs_to_max_tokens_with_the_extra_body(bundled_gguf, tmp_path):
     import httpx
 
-    port = peer.free_port()
+    port = free_port()
     with peer.running_server(bundled_gguf, port, 512, 1, tmp_path / "server.log") as url:
         assert httpx.get(url + "/health").status_code == 404  # hence READY_PATH
         model = httpx.get(url + peer.READY_PATH).json()["data"][0]["id"]

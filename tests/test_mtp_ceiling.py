@@ -1,6 +1,7 @@
-"""perf/mtp_ceiling.py on the bundled model: the byte model accounts for every tensor of the
-checkpoint, a pass reads what it must, the ceiling obeys its definition, and routing is
-measured through the Router hooks. Only what must hold whatever the weights and timings."""
+"""The MTP ceiling of perf/step_cost.py on the bundled model: the byte model accounts for
+every tensor of the checkpoint, a pass reads what it must, the ceiling obeys its definition,
+and routing is measured through the Router hooks. Only what must hold whatever the weights
+and timings."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 
 import pytest
 
-from perf import mtp_ceiling as mc
+from perf import step_cost as mc
 from xllm_py.assets import bundled_model
 
 MODEL = bundled_model()

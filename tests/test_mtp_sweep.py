@@ -8,7 +8,7 @@ import json
 import pytest
 
 from perf import mtp_sweep
-from tests.server_utils import free_port
+from perf.daemon import free_port
 
 
 def test_sweep_writes_table_plot_and_json(tmp_path):

@@ -1,6 +1,6 @@
-"""perf/soak.py: the 200-request soak against the real daemon (MTP on, a KV cache small enough
-to preempt) must pass every check; the checks themselves catch a wrong answer, a changed
-probe and a missing preemption (exit status 1)."""
+"""python -m perf.soak: the 200-request soak against the real daemon (MTP on, a KV cache
+small enough to preempt) must pass every check; the checks themselves catch a wrong answer,
+a changed probe and a missing preemption (exit status 1)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from perf import soak
-from tests.server_utils import ROOT
+from perf.daemon import ROOT
 
 # ---- the checks, on answers made up here ---------------------------------------------------------
 
@@ -132,7 +132,7 @@ def test_a_cache_that_never_preempts_fails_the_soak(tmp_path):
         "--no-progress", "--result", str(result_file),
     ]  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "perf/soak.py", *args], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "perf.soak", *args], cwd=ROOT, capture_output=True, text=True
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     r = json.loads(result_file.read_text())

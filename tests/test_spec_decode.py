@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from tests.oracle import OracleProposer
+from perf.oracle import OracleProposer
 from tests.test_engine import WITH_LOGPROBS, cached_prefix_tokens, chosen_logprobs
 from tools.make_random_checkpoint import make_random_checkpoint
 from xllm_py import LLM, SamplingParams

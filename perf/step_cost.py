@@ -1,10 +1,17 @@
 #!/usr/bin/env python3
-"""The bandwidth ceiling of MTP speculative decoding: bytes read per pass, in plain steps.
+"""What a decode step costs, with and without MTP drafts: the bandwidth ceiling of MTP
+(bytes read per pass, in plain steps) and, with --measure, the measured step on this
+machine with its torch.profiler split. perf's one step-cost tool.
 
-    python perf/mtp_ceiling.py --results perf/results/mtp_sweep/sweep.json
-    python perf/mtp_ceiling.py --model DIR --k 1 2 3 4 --prompts 8 --new-tokens 64
+    python -m perf.step_cost --results perf/results/mtp_sweep/sweep.json
+    python -m perf.step_cost --model DIR --k 1 2 3 4 --prompts 8 --new-tokens 64
+    python -m perf.step_cost --reuse perf/results/mtp_ceiling.json --k 1 2 --measure \\
+        --output /tmp/step_cost.json
+    python -m perf.step_cost --reuse perf/results/mtp_ceiling.json --k 1 --measure --graph \\
+        --output /tmp/step_cost_graph.json
 
-Batch 1, each pass taking time in proportion to the bytes it reads (weights held in
+The ceiling (docs/design.md section 9): speedup <= L / (C_verify(k) + k x C_draft), at
+batch 1, each pass taking time in proportion to the bytes it reads (weights held in
 --dtype, the latent KV cache over --context tokens). Sizes come from the checkpoint's
 safetensors headers (nothing loaded for them), routing from held-out ShareGPT prompts:
 
@@ -23,27 +30,40 @@ Routing: the target greedily continues each prompt (--new-tokens, EOS ignored), 
 + continuation go through once more as one prefill with forward hooks on every Router, so
 each continuation position's experts are known (the MTP layer's too: its first pass covers
 the same positions). Distinct experts are averaged over all windows of w = 1..max(k)+1
-consecutive continuation tokens. Acceptance lengths come from --results (mtp_sweep.py's
-sweep.json or a bench_offline.py --spec JSON) for the k it has, else are measured here with
+consecutive continuation tokens. Acceptance lengths come from --results (mtp_sweep's
+sweep.json or a bench_offline --spec JSON) for the k it has, else are measured here with
 the offline API (greedy, the same prompts); the table says which. Given --results, each of
 its rows is compared with the ceiling at that row's own acceptance length.
+
+--measure: for k = 0 and each k of --k, an engine (eager, or graph mode with --graph)
+decodes --batch held-out prompts (greedy, EOS ignored, --measure-tokens each) after an
+untimed run: ms per decode step, tokens per step, the step cost in plain steps of the same
+mode (measured) next to the byte model's (verify + k x draft at the acceptance measured),
+and in eager mode the split of a step under torch.profiler: ms in the target's MLA layers
+(attention), MoE layers, dense MLP layers, head (lm_head logits), the draft (the proposer:
+MTP layer and its head) and the rest (scheduling, sampling, verification, Python).
+perf/gpu_report.py uses the same decode timing and split.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import itertools
 import json
 import math
 import re
 import struct
 import sys
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 EL_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 SCALES = ("_scale_inv", "weight_scale")  # FP8 block scales: not kept once dequantised
@@ -247,8 +267,8 @@ def ceiling_row(bm: ByteModel, routing: dict, k: int, accept: float, context: in
 
 
 def measured_rows(path: Path) -> tuple[list[dict], dict]:
-    """Rows (k, where, acceptance_length, speedup) of a mtp_sweep.py sweep.json or a
-    bench_offline.py --spec JSON, and the file's input/output lengths if it has them."""
+    """Rows (k, where, acceptance_length, speedup) of a perf.mtp_sweep sweep.json or a
+    perf.bench_offline --spec JSON, and the file's input/output lengths if it has them."""
     data = json.loads(path.read_text())
     out = []
     for r in data.get("rows", []):
@@ -263,6 +283,161 @@ def measured_rows(path: Path) -> tuple[list[dict], dict]:
                         "acceptance_length": r["mean_acceptance_length"],
                         "speedup": r["speedup"]})  # fmt: skip
     return out, {key: data[key] for key in ("input_len", "output_len") if key in data}
+
+
+# ---- the measured step ---------------------------------------------------------------------------
+
+LABELS = ("attention", "moe", "dense_mlp", "head", "draft")
+_ids = itertools.count()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    """Random prompt ids, the same for the same batch size (seeded with it)."""
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(2, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def decode_run(llm, prompts, new_tokens: int, device=None, around=None) -> dict:
+    """One batch through an in-process engine, greedy, EOS ignored: the prefill step, then
+    the decode steps to the end, timed apart (`around`: a context entered for the decode
+    steps only, e.g. a profiler)."""
+    from xllm_py import SamplingParams
+
+    device = torch.device(device or "cpu")
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    engine, before = llm.engine, llm.get_metrics()
+    ids = [f"r{next(_ids)}" for _ in prompts]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": p}, params)
+    sync(device)
+    t0 = time.perf_counter()
+    outs, steps = engine.step(), 0
+    sync(device)
+    t1 = time.perf_counter()
+    with around or contextlib.nullcontext():
+        while engine.has_unfinished():
+            outs += engine.step()
+            steps += 1
+        sync(device)
+    t2 = time.perf_counter()
+    done = {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
+    m = llm.get_metrics()
+    return {
+        "prefill_s": t1 - t0,
+        "decode_s": t2 - t1,
+        "decode_steps": steps,
+        "step_ms": 1000 * (t2 - t1) / max(steps, 1),
+        "tokens_per_step": (new_tokens - 1) / max(steps, 1),  # per request
+        "tokens": [done[r] for r in ids],
+        "drafts": m.drafts - before.drafts,
+        "draft_tokens": m.draft_tokens - before.draft_tokens,
+        "accepted": m.accepted_tokens - before.accepted_tokens,
+    }
+
+
+@contextlib.contextmanager
+def labelled(llm):
+    """Each part of LABELS in a torch.profiler range of its own: the target's attention and
+    MLP/MoE modules, its head (compute_logits) and the proposer. Outermost only: the head
+    and layers run by the draft count as draft."""
+    from xllm_py.models.layers.moe import MoE
+
+    worker, inside = llm.engine.core.executor.worker, [False]
+    model, proposer = worker.model, worker.runner.proposer
+
+    def wrap(fn, label):
+        def run(*a, **kw):
+            if inside[0]:
+                return fn(*a, **kw)
+            inside[0] = True
+            try:
+                with torch.profiler.record_function(f"step_cost/{label}"):
+                    return fn(*a, **kw)
+            finally:
+                inside[0] = False
+
+        return run
+
+    parts = [(model, "compute_logits", "head")]
+    parts += [(proposer, "propose", "draft")] if proposer is not None else []
+    for lay in model.model.layers:
+        parts.append((lay.self_attn, "forward", "attention"))
+        parts.append((lay.mlp, "forward", "moe" if isinstance(lay.mlp, MoE) else "dense_mlp"))
+    for obj, name, label in parts:
+        object.__setattr__(obj, name, wrap(getattr(obj, name), label))
+    try:
+        yield
+    finally:
+        for obj, name, _ in parts:
+            object.__delattr__(obj, name)  # the class's method again
+
+
+def profiled_split(llm, prompts, new_tokens: int, device=None) -> dict:
+    """ms per decode step in each part of LABELS and the rest ("other"), from one run under
+    torch.profiler (CPU: the ranges' wall time; CUDA: the device time of their kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device or "cpu")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with labelled(llm):
+        prof = profile(activities=acts)
+        r = decode_run(llm, prompts, new_tokens, device, around=prof)
+    ms = dict.fromkeys(LABELS, 0.0)
+    for ev in prof.events():
+        if ev.name.startswith("step_cost/"):
+            us = ev.device_time_total if device.type == "cuda" else ev.cpu_time_total
+            ms[ev.name.removeprefix("step_cost/")] += us / 1000 / r["decode_steps"]
+    step = r["step_ms"]
+    ms["other"] = max(step - sum(ms.values()), 0.0)
+    return {"step_ms": step, "ms": ms, "fraction": {k: v / step for k, v in ms.items()}}
+
+
+def measure_steps(args, model: str, bm: ByteModel, routing: dict, context: int) -> list[dict]:
+    """--measure: a row per k (0 first) of step time, tokens per step and step cost, the
+    byte model's step cost beside it, and the profiler split (eager mode)."""
+    from xllm_py import LLM
+
+    rows, plain = [], None
+    for k in [0, *args.k]:
+        llm = LLM(model=model, dtype=args.run_dtype, num_speculative_tokens=k,
+                  draft_model=args.draft_model, enable_prefix_cache=False,
+                  max_seqs_per_batch=args.batch, enable_graph=args.graph,
+                  graph_batch_sizes=[args.batch])  # fmt: skip
+        prompts = held_out_prompts(llm, args.batch)
+        decode_run(llm, prompts, args.measure_tokens)  # warm-up
+        r = decode_run(llm, prompts, args.measure_tokens)
+        accept = 1 + r["accepted"] / max(r["drafts"], 1)
+        row = {"k": k, "graph": args.graph, "batch": args.batch, "step_ms": r["step_ms"],
+               "tokens_per_step": r["tokens_per_step"], "acceptance_length": accept}  # fmt: skip
+        plain = plain or row
+        row["step_cost_measured"] = row["step_ms"] / plain["step_ms"]
+        row["speedup"] = row["tokens_per_step"] / row["step_cost_measured"]
+        if k:
+            row["step_cost_model"] = ceiling_row(bm, routing, k, accept, context)["step_cost"]
+        if not args.graph:
+            row["split"] = profiled_split(llm, prompts, args.measure_tokens)
+        rows.append(row)
+        llm.engine.core.shutdown()
+        del llm
+        gc.collect()
+    return rows
+
+
+def print_measured(rows: list[dict]) -> None:
+    head = ["k", "mode", "step ms", "tokens/step", "acceptance", "step cost measured",
+            "step cost model", "speedup", "split (ms per step)"]  # fmt: skip
+    print("\n" + md_table(head, [
+        [r["k"], "graph" if r["graph"] else "eager", f"{r['step_ms']:.2f}",
+         f"{r['tokens_per_step']:.2f}", f"{r['acceptance_length']:.2f}",
+         f"{r['step_cost_measured']:.3f}", f"{r.get('step_cost_model', 1.0):.3f}",
+         f"{r['speedup']:.2f}x", " ".join(f"{n} {v:.2f}" for n, v in
+                                           r.get("split", {}).get("ms", {}).items())]
+        for r in rows]))  # fmt: skip
 
 
 def md_table(head: list[str], rows: list[list]) -> str:
@@ -280,8 +455,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draft-model", default=None, help="exported MTP draft, if separate")
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4], help="draft counts")
     ap.add_argument("--results", type=Path, default=None,
-                    help="sweep.json (mtp_sweep.py) or bench_offline.py --spec JSON: acceptance "
-                    "lengths, measured speedups to compare, and the context")  # fmt: skip
+                    help="sweep.json (perf.mtp_sweep) or perf.bench_offline --spec JSON: "
+                    "acceptance lengths, measured speedups to compare, the context")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=8, help="held-out ShareGPT prompts to use")
     ap.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
     ap.add_argument("--dtype", choices=sorted(EL_BYTES), default="float32",
@@ -293,18 +468,24 @@ def main(argv: list[str] | None = None) -> dict:
                     "--results, else the prompts' mean length + new_tokens / 2)")  # fmt: skip
     ap.add_argument("--draft-vocab", type=int, default=0, help="model a draft head over "
                     "this many hot tokens (0: the whole vocabulary)")  # fmt: skip
+    ap.add_argument("--reuse", type=Path, default=None,
+                    help="an earlier JSON of this tool on this model: its routing statistics "
+                    "(and acceptance lengths for k not in --results) instead of measuring "
+                    "them")  # fmt: skip
     ap.add_argument(
-        "--reuse",
-        type=Path,
-        default=None,
-        help="an earlier mtp_ceiling.py JSON of this model: its routing statistics "
-        "(and acceptance lengths for k not in --results) instead of measuring them",
+        "--measure",
+        action="store_true",
+        help="also time decode steps here and split them with torch.profiler",
     )
+    ap.add_argument("--graph", action="store_true", help="--measure in graph mode (no split)")
+    ap.add_argument("--batch", type=int, default=1, help="--measure: requests decoded at once")
+    ap.add_argument("--measure-tokens", type=int, default=64, help="--measure: tokens each")
     ap.add_argument("--output", type=Path, default=ROOT / "perf/results/mtp_ceiling.json",
                     help="JSON to write")  # fmt: skip
     args = ap.parse_args(argv)
     model = args.model or bundled_model()
     run_dtype = args.dtype if args.dtype in ("bfloat16", "float16") else "float32"
+    args.run_dtype = run_dtype
     bm = byte_model(model, args.dtype, args.draft_model, args.draft_vocab)
     measured, lengths = measured_rows(args.results) if args.results else ([], {})
     reused = json.loads(args.reuse.read_text()) if args.reuse else {}
@@ -372,9 +553,15 @@ def main(argv: list[str] | None = None) -> dict:
             head, [[c["k"], c["where"], f"{c['acceptance_length']:.2f}", f"{c['speedup']:.2f}x",
                     f"{c['ceiling']:.2f}x", f"{c['ratio']:.2f}", f"{c['step_cost_measured']:.2f}",
                     f"{c['step_cost_model']:.2f}"] for c in compare]))  # fmt: skip
+    steps = []
+    if args.measure:
+        engine.clear()
+        gc.collect()
+        steps = measure_steps(args, model, bm, routing, context)
+        print_measured(steps)
     given = argv if argv is not None else sys.argv[1:]
     summary = {
-        "command": " ".join(["python", "perf/mtp_ceiling.py", *given]),
+        "command": " ".join(["python", "-m", "perf.step_cost", *given]),
         **{key: str(v) if isinstance(v, Path) else v for key, v in vars(args).items()},
         "model": model,
         "context": context,
@@ -383,6 +570,7 @@ def main(argv: list[str] | None = None) -> dict:
         "routing": routing,
         "rows": rows,
         "compare": compare,
+        "measured": steps,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(summary, indent=2))

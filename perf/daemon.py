@@ -1,0 +1,216 @@
+"""Start a server process on a loopback port and wait until it answers: our daemon
+(`Server`), another engine or a launcher script (`Daemon`). The one launcher of perf/ and
+of the tests (tests/server_utils.py re-exports it)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_range(n: int) -> int:
+    """A port p such that p .. p + n - 1 are all free now (for START_PORT + i layouts)."""
+    while True:
+        base, socks = free_port(), []
+        try:
+            for i in range(n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
+def wait_healthy(
+    url: str, gone: Callable[[], str | None], timeout: float, path: str = "/health"
+) -> bool:
+    """Poll url + path until it answers 200 (True) or `timeout` passes (False); `gone()`
+    returns why the server cannot come up any more (it exited), which is raised."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        why = gone()
+        if why is not None:
+            raise RuntimeError(why)
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+class Daemon:
+    """`cmd` running with its output in `log`, up once GET `ready_path` on `port` answers
+    200 (`ready_path` None: not waited for, e.g. a cluster worker without HTTP).
+
+    `group`: start it in a session of its own and signal that whole process group (a
+    launch command that forks). `stop_cmd`: the command is a launcher that may exit 0
+    once its servers run in the background (scripts/launch_cluster.sh); `stop_cmd` stops
+    them."""
+
+    def __init__(
+        self,
+        cmd: list[str],
+        port: int | None = None,
+        log: Path | str | None = None,
+        ready_path: str | None = "/health",
+        env: dict[str, str] | None = None,
+        stop_cmd: list[str] | None = None,
+        group: bool = False,
+        startup_timeout: float = 600.0,
+    ) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.stop_cmd, self.group = stop_cmd, group
+        self.log = open(log or f"/tmp/xllm-test-server-{port}.log", "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=group,
+        )  # fmt: skip
+        if ready_path is None or wait_healthy(self.url, self._exited, startup_timeout, ready_path):
+            return
+        self.stop()
+        raise RuntimeError(f"server not ready after {startup_timeout} s:\n{self.output()}")
+
+    def _exited(self) -> str | None:
+        code = self.proc.poll()
+        if code is None or (code == 0 and self.stop_cmd):
+            return None
+        self.stop()
+        return f"server exited with {code}:\n{self.output()}"
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def _signal(self, sig: int) -> None:
+        if self.group:
+            os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Stop it (and what `stop_cmd` stops), SIGKILL after `timeout` s; the exit status."""
+        if self.stop_cmd and not self.log.closed:
+            subprocess.run(self.stop_cmd, stdout=self.log, stderr=subprocess.STDOUT, timeout=120)
+        if self.proc.poll() is None:
+            self._signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def metrics(self) -> dict[str, float]:
+        """`name{labels}` -> value for every sample of /metrics."""
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        total = 0.0
+        for key, value in self.metrics().items():
+            m = re.fullmatch(r"([^{]+)(?:\{(.*)\})?", key)
+            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if m.group(1) == name and all(have.get(k) == v for k, v in labels.items()):
+                total += value
+        return total
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Server(Daemon):
+    """Our daemon (`python -m xllm_py`) with `flags` on a free port; env: variables added
+    to its environment."""
+
+    def __init__(
+        self,
+        *flags: str,
+        startup_timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+        log: Path | str | None = None,
+    ) -> None:
+        port = port or free_port()
+        cmd = [sys.executable, "-m", "xllm_py", "--port", str(port), *flags]
+        super().__init__(
+            cmd, port, log, env={**os.environ, **(env or {})}, startup_timeout=startup_timeout
+        )
+
+
+def warm_up(base_url: str, extra_body: dict | None = None) -> None:
+    """A few requests so first-call costs (allocation, lazy init) stay out of the figures."""
+    model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "Hello", "max_tokens": 16, "ignore_eos": True}
+    for _ in range(3):
+        httpx.post(
+            base_url + "/v1/completions", json={**body, **(extra_body or {})}, timeout=300
+        ).raise_for_status()
+
+
+def flag_value(flags: list[str], name: str) -> str | None:
+    """The value of --name in a daemon command line (--name=v or --name v), else None."""
+    value = None
+    for i, f in enumerate(flags):
+        if f.startswith(f"--{name}="):
+            value = f.split("=", 1)[1]
+        elif f == f"--{name}" and i + 1 < len(flags):
+            value = flags[i + 1]
+    return value
+
+
+def machine() -> dict:
+    """The machine and software a result was measured on, for the result JSON."""
+    import torch
+
+    cpu = platform.processor()
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.is_file() else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
+    meminfo = Path("/proc/meminfo")
+    mem = f"{int(meminfo.read_text().split()[1]) / 2**20:.0f} GiB" if meminfo.is_file() else ""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory": mem,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "git_commit": commit,
+    }
