@@ -11,17 +11,31 @@ A request's `StructuredOutput` names a kind and its source text:
                  with tool_choice "required" or named (entrypoints/tool_parser.py); any of
                  the above after a reasoning block (`after_reasoning`)
 
-`Grammars` compiles each once per process for one tokenizer (StructuredOutput lives in
-sampling_params.py, so it crosses the cluster wire with the other parameters), and
-`Matcher` follows one request's output: the token bitmask of what may come next, tokens
-accepted, and rollback of drafts (worker/model_runner.py applies the bitmask at every
-verified position; speculative/mtp_proposer.py applies it to the MTP draft's logits, so drafts
-stay inside the grammar). In a cluster each worker compiles a grammar the first time a
-request brings it, inside that step.
+`Grammars` compiles specs for one tokenizer (StructuredOutput lives in sampling_params.py,
+so it crosses the cluster wire with the other parameters), and `Matcher` follows one
+request's output: the token bitmask of what may come next, tokens accepted, and rollback of
+drafts (worker/model_runner.py applies the bitmask at every verified position;
+speculative/mtp_proposer.py applies it to the MTP draft's logits, so drafts stay inside the
+grammar).
+
+Compiled grammars live in one cache per process, shared by every `Grammars` in it (so the
+API server's check compile and an in-process worker share a grammar), bounded in bytes
+(`set_cache_limit`, --grammar_cache_bytes): the least recently used are evicted beyond the
+limit, and compiled again when next asked for. A matcher holds its own reference to its
+grammar, so an eviction never disturbs a request in progress.
+
+The API server compiles a spec it has not seen with a timeout (`Grammars.compile(so,
+timeout=...)`): in a child process (grammar_compiler.py) that is killed past the timeout,
+so a runaway compile stops there (`GrammarCompileTimeout`) and the next spec compiles in a
+fresh child. Without a timeout (a worker, which sees only specs the server accepted: in a
+cluster each worker compiles a grammar the first time a request brings it, inside that
+step) the compile runs in the calling thread.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -31,6 +45,9 @@ import threading
 import torch
 
 from xllm_py.sampling_params import StructuredOutput
+
+DEFAULT_CACHE_BYTES = 256 << 20  # --grammar_cache_bytes' default
+SLOW_SPECS_KEPT = 1024  # specs remembered as too slow to compile (refused without a compile)
 
 
 def xgrammar():
@@ -44,47 +61,226 @@ def xgrammar():
     return xgr
 
 
+class GrammarCompileTimeout(TimeoutError):
+    """A spec took longer than its timeout to compile (its compile was stopped)."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"took more than {timeout:g} s to compile")
+        self.timeout = timeout
+
+
+def grammar_nbytes(grammar) -> int:
+    """The memory a compiled grammar holds: xgrammar's own count where it has one, else the
+    length of its serialised JSON."""
+    n = getattr(grammar, "memory_size_bytes", None)
+    return int(n) if n is not None else len(grammar.serialize_json())
+
+
+class _Cache:
+    """Compiled grammars by (tokenizer, spec), least recently used first, at most `limit`
+    bytes in all (a grammar larger than the whole limit is not kept)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.lock = threading.Lock()
+        self.entries: collections.OrderedDict[tuple, tuple[object, int]] = collections.OrderedDict()
+        self.nbytes = 0
+        self.evictions = 0
+        self.compile_timeouts = 0
+        self.compiling = 0  # compiles in a compile process now
+
+    def get(self, key: tuple):
+        with self.lock:
+            hit = self.entries.get(key)
+            if hit is None:
+                return None
+            self.entries.move_to_end(key)
+            return hit[0]
+
+    def put(self, key: tuple, grammar) -> None:
+        n = grammar_nbytes(grammar)
+        with self.lock:
+            old = self.entries.pop(key, None)
+            if old is not None:
+                self.nbytes -= old[1]
+            self.entries[key] = (grammar, n)
+            self.nbytes += n
+            self._evict()
+
+    def set_limit(self, limit: int) -> None:
+        with self.lock:
+            self.limit = limit
+            self._evict()
+
+    def _evict(self) -> None:
+        while self.nbytes > self.limit and self.entries:
+            _, (_, n) = self.entries.popitem(last=False)
+            self.nbytes -= n
+            self.evictions += 1
+
+
+_CACHE = _Cache(DEFAULT_CACHE_BYTES)
+
+
+def set_cache_limit(nbytes: int) -> None:
+    """Keep at most `nbytes` of compiled grammars in this process (--grammar_cache_bytes);
+    grammars beyond it are evicted now, least recently used first."""
+    if nbytes < 0:
+        raise ValueError(f"grammar cache limit {nbytes}: must be >= 0 bytes")
+    _CACHE.set_limit(int(nbytes))
+
+
+def cache_stats() -> dict[str, int]:
+    """The grammar cache now: bytes, entries, limit (bytes), evictions and compile timeouts
+    so far, compiles running in a compile process."""
+    c = _CACHE
+    with c.lock:
+        return {
+            "bytes": c.nbytes,
+            "entries": len(c.entries),
+            "limit": c.limit,
+            "evictions": c.evictions,
+            "compile_timeouts": c.compile_timeouts,
+            "compiling": c.compiling,
+        }
+
+
+class GrammarCacheCollector:
+    """Prometheus collector of `cache_stats()` for a server's /metrics registry."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model = model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        st = cache_stats()
+        for kind, name, doc, key in (
+            (GaugeMetricFamily, "grammar_cache_bytes", "Bytes of compiled grammars cached.",
+             "bytes"),
+            (GaugeMetricFamily, "grammar_cache_entries", "Compiled grammars cached.", "entries"),
+            (GaugeMetricFamily, "grammar_cache_limit_bytes",
+             "The grammar cache's limit (--grammar_cache_bytes).", "limit"),
+            (GaugeMetricFamily, "grammar_compiles_running",
+             "Grammar compiles running now (with a timeout, in a compile process).",
+             "compiling"),
+            (CounterMetricFamily, "grammar_cache_evictions",
+             "Compiled grammars evicted from the cache (least recently used).", "evictions"),
+            (CounterMetricFamily, "grammar_compile_timeouts",
+             "Grammar compiles stopped at --grammar_compile_timeout.", "compile_timeouts"),
+        ):  # fmt: skip
+            m = kind("xllm:" + name, doc, labels=["model_name"])
+            m.add_metric([self.model], st[key])
+            yield m
+
+
 class Grammars:
-    """Compiles structured-output specs for one tokenizer, one at a time, each once
-    (thread-safe)."""
+    """Compiles structured-output specs for one tokenizer into the process's grammar cache
+    (thread-safe; one compile at a time per way of compiling)."""
 
     def __init__(self, model_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
         xgr = xgrammar()
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_path)
-        info = xgr.TokenizerInfo.from_huggingface(
+        self.info = xgr.TokenizerInfo.from_huggingface(
             tok, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
         )
+        self.key = (model_path, vocab_size, eos_token_ids)
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._lock = threading.Lock()  # one compile at a time
-        self._compiled: dict[StructuredOutput, object] = {}  # read without the lock
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._lock = threading.Lock()  # in-process compiles, one at a time
+        self._proc_lock = threading.Lock()  # compiles with a timeout, one at a time
+        self._proc = None  # the compile process, started by the first compile with a timeout
+        # spec -> the timeout it did not compile within: refused again without a compile
+        self._slow: collections.OrderedDict[StructuredOutput, float] = collections.OrderedDict()
 
-    def compile(self, so: StructuredOutput):
-        """The compiled grammar (cached: a spec compiled before is a dict lookup, never a
-        wait on a compile in progress); ValueError saying what is wrong with the spec."""
-        done = self._compiled.get(so)
+    def compile(self, so: StructuredOutput, timeout: float | None = None):
+        """The compiled grammar, from the cache if it holds it (never a wait on another
+        spec's compile). Otherwise compiled and cached: with `timeout` (seconds of compiling,
+        not counting a wait for an earlier compile to end) in the compile process, which
+        is killed past it (GrammarCompileTimeout); without, in this thread. ValueError
+        saying what is wrong with the spec."""
+        key = (self.key, so)
+        done = _CACHE.get(key)
         if done is not None:
             return done
-        with self._lock:
-            if so not in self._compiled:
-                self._compiled[so] = self._compile(so)
-            return self._compiled[so]
+        if timeout is None:
+            with self._lock:
+                done = _CACHE.get(key)
+                if done is None:
+                    done = compile_spec(self.compiler, so)
+                    _CACHE.put(key, done)
+                return done
+        with self._proc_lock:
+            done = _CACHE.get(key)
+            if done is not None:
+                return done
+            if self._slow.get(so, -1.0) >= timeout:
+                self._slow.move_to_end(so)
+                raise GrammarCompileTimeout(timeout)
+            text = self._compile_in_process(so, timeout)
+            done = xgrammar().CompiledGrammar.deserialize_json(text, self.info)
+            _CACHE.put(key, done)
+            return done
 
-    def _compile(self, so: StructuredOutput):
-        c = self.compiler
-        with _spec_errors():
-            if so.kind in ("json", "json_object"):
-                schema, strict = _json_schema(so)
-                return c.compile_json_schema(schema, any_whitespace=False, strict_mode=strict)
-            if so.kind == "regex":
-                return c.compile_regex(so.spec)
-            if so.kind == "choice":
-                return c.compile_grammar(choice_grammar(so.spec))
-            if so.kind == "structural_tag":
-                return c.compile_structural_tag(so.spec)
-            return c.compile_grammar(so.spec)
+    def _compile_in_process(self, so: StructuredOutput, timeout: float) -> str:
+        from xllm_py.grammar_compiler import CompileProcess, CompileTimeout
+
+        if self._proc is None:
+            self._proc = CompileProcess(self.info.serialize_json())
+        with _CACHE.lock:
+            _CACHE.compiling += 1
+        try:
+            return self._proc.compile(so, timeout)
+        except CompileTimeout as e:
+            self._slow[so] = timeout
+            while len(self._slow) > SLOW_SPECS_KEPT:
+                self._slow.popitem(last=False)
+            with _CACHE.lock:
+                _CACHE.compile_timeouts += 1
+            raise GrammarCompileTimeout(timeout) from e
+        finally:
+            with _CACHE.lock:
+                _CACHE.compiling -= 1
+
+
+def compile_spec(compiler, so: StructuredOutput):
+    """`so` compiled by `compiler` (an xgrammar GrammarCompiler), uncached; ValueError
+    saying what does not compile."""
+    with _spec_errors():
+        if so.kind in ("json", "json_object"):
+            schema, strict = _json_schema(so)
+            return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=strict)
+        if so.kind == "regex":
+            return compiler.compile_regex(so.spec)
+        if so.kind == "choice":
+            return compiler.compile_grammar(choice_grammar(so.spec))
+        if so.kind == "structural_tag":
+            return compiler.compile_structural_tag(so.spec)
+        return compiler.compile_grammar(so.spec)
+
+
+async def in_daemon_thread(fn):
+    """fn() run in a daemon thread of its own, off the event loop: waiters never queue
+    behind another caller, and the process's exit never waits on it."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not fut.done():
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def run() -> None:
+        try:
+            ok, value = True, fn()
+        except BaseException as e:  # noqa: BLE001 (handed to the awaiting coroutine)
+            ok, value = False, e
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, ok, value)
+
+    threading.Thread(target=run, daemon=True, name="xllm-grammar").start()
+    return await fut
 
 
 def _json_schema(so: StructuredOutput) -> tuple[str, bool]:
@@ -111,7 +307,8 @@ def _spec_errors():
 @functools.lru_cache(maxsize=4)
 def grammars_for(model_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Grammars:
     """One compiler per tokenizer and process (the API server and an in-process worker
-    share it, so a grammar the server checked is already compiled for the worker)."""
+    share it and the process's grammar cache, so a grammar the server checked is already
+    compiled for the worker)."""
     return Grammars(model_path, vocab_size, eos_token_ids)
 
 
