@@ -401,7 +401,7 @@ def make_certs(folder: Path) -> dict[str, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def cert(subject: str, key, issuer: str, issuer_key, ca: bool):
         b = (
