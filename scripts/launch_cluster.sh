@@ -20,6 +20,9 @@
 #     LOG_DIR/cluster.token, mode 0600): the shared secret every cluster RPC must carry;
 #     each node gets --cluster_token_file (never the token itself on a command line).
 #     For TLS on the gRPC control plane add --cluster_tls_cert/_key/_ca to EXTRA_ARGS.
+#   XLLM_API_KEY: the API key of node 0's HTTP API, from this script's environment (the
+#     nodes started on this host inherit it). EXTRA_ARGS may not carry a secret
+#     (--api_key, --cluster_token): every user of a host sees a command line in `ps`.
 #   DRY_RUN=0 (1: print the command that would start each node, or each host's ssh
 #     command; start nothing, record nothing)
 # Node i listens on START_PORT + i and uses device START_DEVICE + i (one host), or
@@ -389,6 +392,10 @@ start_cluster() {
   if [[ -n "$CLUSTER_TOKEN_FILE" && ! -r "$CLUSTER_TOKEN_FILE" ]]; then
     die "CLUSTER_TOKEN_FILE=$CLUSTER_TOKEN_FILE: cannot read it"
   fi
+  case " $EXTRA_ARGS" in
+    *" --api_key"* | *" --cluster_token "* | *" --cluster_token="*)
+      die "EXTRA_ARGS carries a secret: set XLLM_API_KEY, or CLUSTER_TOKEN_FILE, instead" ;;
+  esac
   if [[ "$DRY_RUN" == 1 ]]; then
     if (( MULTI )); then
       for h in "${HOST_NAMES[@]}"; do

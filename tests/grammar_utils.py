@@ -1,4 +1,4 @@
-"""Grammar checks over the bundled model's tokenizer (xllm_py/structured.py): whether a
+"""Grammar checks over the bundled model's tokenizer (xllm_py/structured/): whether a
 constraint admits a given text as a whole output, token by token as the engine feeds it."""
 
 from __future__ import annotations

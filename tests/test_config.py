@@ -378,3 +378,82 @@ def test_profiling_forward_of_the_largest_step_leaves_generation_alone():
     worker = llm.engine.core.executor.worker
     worker.profile_forward(3 * llm.engine.core.config.cache.block_size + 5)
     assert llm.generate(["Hello there"], params)[0].outputs[0].token_ids == before
+
+
+# ---- EngineArgs: each option declared once (xllm_py/args.py) -------------------------------------
+
+
+def test_engine_args_defaults_build_the_config_dataclasses_defaults():
+    """The config dataclasses keep defaults of their own (for direct construction); the
+    flags' defaults must build exactly those."""
+    from xllm_py.args import EngineArgs
+    from xllm_py.config import SpecConfig
+
+    config = EngineArgs().engine_config()
+    assert config.cache == dataclasses.replace(CacheConfig(), num_lookahead_tokens=0)
+    assert config.scheduler == SchedulerConfig()
+    assert config.device == DeviceConfig()
+    assert config.spec == SpecConfig()
+
+
+def test_every_flag_has_a_concern_and_help():
+    from xllm_py.args import GROUPS
+    from xllm_py.cli import build_parser
+
+    parser = build_parser()
+    titles = set(GROUPS.values())
+    for group in parser._action_groups:
+        if group.title in titles:
+            assert group._group_actions, group.title
+            for action in group._group_actions:
+                assert len(action.help) > 10, action.dest
+    grouped = {a.dest for g in parser._action_groups if g.title in titles for a in g._group_actions}
+    from xllm_py.args import EngineArgs
+
+    assert grouped == {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def test_llm_takes_the_engine_options_and_refuses_the_daemons():
+    from xllm_py import LLM
+    from xllm_py.args import EngineArgs
+
+    args = EngineArgs.for_offline(device="cpu", draft_device="cpu", num_speculative_tokens=1)
+    assert (args.devices, args.draft_devices) == ("cpu", "cpu")
+    with pytest.raises(TypeError, match="--port is an option of the `xllm` daemon"):
+        LLM(port=9000)
+    with pytest.raises(TypeError, match="--api_key"):
+        LLM(api_key="x")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'blok_size'"):
+        LLM(blok_size=16)
+    with pytest.raises(ValueError, match="--max_seqs_per_batch=0: must be >= 1"):
+        LLM(max_seqs_per_batch=0)
+
+
+def test_secrets_never_show_in_help_or_repr():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLLM_API_KEY": "sekrit", "XLLM_CLUSTER_TOKEN": "t0ken-s3"}
+    r = subprocess.run(
+        [sys.executable, "-m", "xllm_py", "--help"], capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 0 and "--api_key" in r.stdout and "XLLM_API_KEY" in r.stdout
+    assert "sekrit" not in r.stdout + r.stderr and "t0ken-s3" not in r.stdout + r.stderr
+    from xllm_py.cli import build_parser
+
+    args = build_parser().parse_args(["--api_key=sekrit", "--cluster_token=t0ken-s3"])
+    assert "sekrit" not in repr(args) and "t0ken-s3" not in repr(args)
+    assert "sekrit" not in " ".join(args.node_argv())
+    assert args.secret("api_key") == "sekrit"
+
+
+def test_bool_flags_take_every_spelling():
+    from xllm_py.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["--enable_graph"]).enable_graph is True
+    assert parse(["--enable_graph=true"]).enable_graph is True
+    assert parse(["--enable_prefix_cache", "false"]).enable_prefix_cache is False
+    assert parse(["--strict_request_fields=1"]).strict_request_fields is True
+    with pytest.raises(SystemExit):
+        parse(["--enable_prefix_cache=maybe"])

@@ -2,12 +2,14 @@
 work fails that request with a 500 in OpenAI's shape and frees its blocks, while the
 requests beside it finish with the output they have on their own; a fault in the shared
 step still fails everything and the daemon exits 1. Faults come from the documented hook
-XLLM_FAULT_INJECT (xllm_py/engine/faults.py)."""
+XLLM_FAULT_INJECT (xllm_py/engine/faults.py), armed only with --enable_test_hooks=true:
+without it the variable does nothing and the marker is an ordinary prompt."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import httpx
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from tests.server_utils import Server
 
 MARKER = "FAULT-HERE"
+HOOKS = "--enable_test_hooks=true"
 PROMPTS = [
     f"<|bos|><|user|>\nTell me about topic {i} in a few words.\n<|assistant|>\n" for i in range(8)
 ]
@@ -52,9 +55,25 @@ def server():
     with Server(
         "--dtype=float32",
         "--num_speculative_tokens=1",
+        HOOKS,
         env={"XLLM_FAULT_INJECT": f"output:{MARKER}"},
     ) as s:
         yield s
+
+
+def test_the_armed_hook_is_announced_at_start_up(server):
+    assert "WARNING" in server.output() and "test hook armed: XLLM_FAULT_INJECT" in server.output()
+
+
+def test_without_enable_test_hooks_the_variable_does_nothing():
+    with Server(
+        "--dtype=float32", "--num_speculative_tokens=1", env={"XLLM_FAULT_INJECT": f"step:{MARKER}"}
+    ) as s:
+        [(text, events)] = asyncio.run(_run_all(s.url, [FAULTY]))
+        assert events[-1]["choices"][0]["finish_reason"] == "length" and text
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+        assert s.proc.poll() is None
+        assert "test hook armed" not in s.output() and "InjectedFault" not in s.output()
 
 
 def test_one_faulty_request_fails_alone_and_the_others_keep_their_output(server):
@@ -85,7 +104,10 @@ def test_one_faulty_request_fails_alone_and_the_others_keep_their_output(server)
 
 def test_a_fault_in_the_shared_step_fails_every_request_and_exits_1():
     s = Server(
-        "--dtype=float32", "--num_speculative_tokens=1", env={"XLLM_FAULT_INJECT": f"step:{MARKER}"}
+        "--dtype=float32",
+        "--num_speculative_tokens=1",
+        HOOKS,
+        env={"XLLM_FAULT_INJECT": f"step:{MARKER}"},
     )
     try:
         results = asyncio.run(_run_all(s.url, [PROMPTS[0], FAULTY]))
@@ -100,18 +122,19 @@ def test_a_fault_in_the_shared_step_fails_every_request_and_exits_1():
 def test_a_client_gone_before_its_body_arrived_is_not_a_server_error(server):
     """Found by perf/soak.py: a disconnect while the body was still being read was logged
     as a failed request (two tracebacks); it is a normal disconnect."""
-    import socket
-    import time
-
     body = b'{"prompt": "Hello", "max_tokens": 4}'
     before = server.output().count("Traceback")
     for _ in range(3):
-        with socket.create_connection(("127.0.0.1", server.port)) as c:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as c:
             c.sendall(
                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 b"Content-Length: %d\r\n\r\n" % (len(body) + 10) + body  # 10 bytes short
             )
-            time.sleep(0.2)
-    time.sleep(1)
-    assert server.output().count("Traceback") == before
+            c.shutdown(socket.SHUT_WR)  # the client is gone before its body arrived
+            # The server saw it go: it closes the connection without an answer (recv waits
+            # for that, up to the timeout). The handler reading the body wakes on the same
+            # event, in the server's next loop iteration.
+            assert c.recv(1024) == b""
+    # A request on a new connection is served by that same event loop after those wake-ups.
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert server.output().count("Traceback") == before

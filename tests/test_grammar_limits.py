@@ -1,5 +1,5 @@
 """The structured-output grammar cache and compile timeout hold on a real daemon
-(xllm_py/structured.py, xllm_py/grammar_compiler.py): the cache stays within
+(xllm_py/structured/): the cache stays within
 --grammar_cache_bytes however many schemas come; a schema that compiles longer than
 --grammar_compile_timeout is a 400 whose compile is stopped, so the next schema compiles at
 once and a SIGTERM drain does not wait for it."""

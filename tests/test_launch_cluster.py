@@ -242,3 +242,13 @@ def test_launch_across_two_hosts(tmp_path):
     stop_calls = calls.read_text().splitlines()[before:]
     assert any(x.startswith("127.0.0.1 ") and "kill -TERM" in x for x in stop_calls)
     assert any(x.startswith("127.0.0.2 ") and "kill -" in x for x in stop_calls)
+
+
+def test_a_secret_in_extra_args_is_refused(tmp_path):
+    """A command line is visible to every user of a host: the API key comes from
+    XLLM_API_KEY, the cluster token from a file."""
+    for extra in ("--api_key=k3y", "--cluster_token k3y", "--log_level=info --cluster_token=k3y"):
+        env = os.environ | {"EXTRA_ARGS": extra, "DRY_RUN": "1", "LOG_DIR": str(tmp_path)}
+        r = run_script(env)
+        assert r.returncode != 0 and "EXTRA_ARGS carries a secret" in r.stderr, r.stderr
+        assert "k3y" not in r.stdout

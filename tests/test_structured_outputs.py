@@ -1,4 +1,4 @@
-"""Structured outputs (xllm_py/structured.py, xgrammar) stay lossless under MTP: for 20 JSON
+"""Structured outputs (xllm_py/structured/, xgrammar) stay lossless under MTP: for 20 JSON
 schemas and 16 held-out ShareGPT prompts each, greedy output is identical for k = 0, 1
 and 3, and every output parses and validates against its schema (`jsonschema`, not
 xgrammar). Sampled at temperature 0.8 under a schema, speculative and plain outputs have

@@ -1,9 +1,10 @@
 """Configuration, layered as frozen dataclasses.
 
-`ModelConfig` is read from a checkpoint's `config.json`; the others come from
-flags or `LLM(...)` keyword arguments. Each validates itself in
-`__post_init__` and names the offending field in its error; derived values
-are properties.
+`ModelConfig` is read from a checkpoint's `config.json`; the others are built by
+`EngineArgs.engine_config()` (xllm_py/args.py) from the `xllm` flags or `LLM(...)`
+keyword arguments, whose defaults, help and front checks live there. Each validates
+its own invariants in `__post_init__` and names the offending field in its error;
+derived values are properties.
 """
 
 from __future__ import annotations
@@ -451,8 +452,9 @@ class EngineConfig:
         draft_device = self.spec.draft_device
         if draft_device is not None and draft_device != self.device.device:
             raise ValueError(
-                f"draft_devices={draft_device!r} must equal devices={self.device.device!r}: the "
-                "MTP draft shares the target's embedding, head and KV cache blocks"
+                f"draft_devices={draft_device!r} must equal devices={self.device.device!r} "
+                "(--draft_devices, --devices): the MTP draft shares the target's embedding, "
+                "head and KV cache blocks"
             )
         if self.cache.num_lookahead_tokens != k:  # k draft slots reserved ahead of each request
             object.__setattr__(self, "cache", replace(self.cache, num_lookahead_tokens=k))

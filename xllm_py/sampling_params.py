@@ -10,7 +10,7 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "struct
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A grammar the output must follow (xllm_py/structured.py): a JSON schema (text), any
+    """A grammar the output must follow (xllm_py/structured/): a JSON schema (text), any
     JSON object, a regular expression, a choice among strings (a JSON list), an EBNF
     grammar, or an xgrammar structural tag (JSON: tool calls, a grammar after reasoning)."""
 

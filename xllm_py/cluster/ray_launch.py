@@ -15,10 +15,12 @@ What scripts/launch_cluster.sh does with shells and SSH, done with Ray:
    device it sees. Workers listen on their host's address at a free port; the master's
    coordination service on this host at the port of --master_node_addr (or a free one).
    Every line a node prints reaches this terminal prefixed with `[node i]`.
-   Every node gets the same cluster token in its environment (XLLM_CLUSTER_TOKEN), not
-   on its command line: the launcher's own --cluster_token_file / --cluster_token /
-   XLLM_CLUSTER_TOKEN, or one generated for this launch. --cluster_tls_* paths are
-   passed on as they are, so the files must exist on every host.
+   A node's command line is the launcher's options (those not at their default) with
+   its own rank, and never a secret: every node gets the same cluster token in its
+   environment (XLLM_CLUSTER_TOKEN): the launcher's own --cluster_token_file /
+   --cluster_token / XLLM_CLUSTER_TOKEN, or one generated for this launch; node 0 also
+   gets the API key (--api_key or XLLM_API_KEY) as XLLM_API_KEY. --cluster_tls_* paths
+   are passed on as they are, so the files must exist on every host.
 4. The launcher waits. When the master exits, the workers are stopped and its exit code
    is the launcher's. When a worker dies (its process exits or its actor is killed), the
    master finds out by its health checks (--heartbeat_timeout), fails the requests in
@@ -34,8 +36,8 @@ process and asks the kernel to SIGKILL the process when that thread ends
 
 from __future__ import annotations
 
-import argparse
 import ctypes
+import dataclasses
 import logging
 import os
 import secrets
@@ -132,32 +134,35 @@ class _NodeProcess:
         return self.proc.poll()
 
 
-TOKEN_FLAGS = ("--cluster_token", "--cluster_token_file")  # the nodes get the token by env
-
-
-def node_argv(argv: list[str], rank: int, master_addr: str, device_type: str) -> list[str]:
-    """The launcher's own command line, as node `rank`'s (later flags win in argparse),
-    less the token flags."""
-    out = _without_token_flags(argv) + ["--launcher=process", f"--node_rank={rank}"]
-    out.append(f"--master_node_addr={master_addr}")
+def node_argv(args, rank: int, master_addr: str, device_type: str) -> list[str]:
+    """Node `rank`'s command line: the launcher's options (EngineArgs) as this node runs
+    them, without a secret (the token, the API key: `node_env`) or the token's file, which
+    may not exist on the node's host."""
+    node = dataclasses.replace(
+        args,
+        launcher="process",
+        node_rank=rank,
+        master_node_addr=master_addr,
+        cluster_token_file=None,
+    )
     if device_type in ("cuda", "npu"):
-        out.append(f"--devices={device_type}:0")  # the one device Ray made visible
-    return out
+        node.devices = f"{device_type}:0"  # the one device Ray made visible
+    return node.node_argv()
 
 
-def _without_token_flags(argv: list[str]) -> list[str]:
-    out, skip_value = [], False
-    for word in argv:
-        if skip_value:
-            skip_value = False
-        elif word.split("=", 1)[0] in TOKEN_FLAGS:
-            skip_value = "=" not in word  # `--cluster_token VALUE`: drop VALUE too
-        else:
-            out.append(word)
-    return out
+def node_env(args, rank: int, token: str) -> dict[str, str]:
+    """Node `rank`'s environment additions: the cluster token, and on node 0 (the HTTP
+    server) the API key. Ray hands them to the actor as call arguments, never on a
+    command line."""
+    from xllm_py.cluster.security import TOKEN_ENV
+
+    env = {"PYTHONUNBUFFERED": "1", TOKEN_ENV: token}
+    if rank == 0:
+        env.update({k: v for k, v in args.secret_env().items() if k != TOKEN_ENV})
+    return env
 
 
-def cluster_token(args: argparse.Namespace) -> str:
+def cluster_token(args) -> str:
     """The token of every node: the launcher's (--cluster_token_file, --cluster_token,
     XLLM_CLUSTER_TOKEN), else a new random one for this launch."""
     from xllm_py.cluster.security import read_token
@@ -165,7 +170,7 @@ def cluster_token(args: argparse.Namespace) -> str:
     return read_token(args.cluster_token, args.cluster_token_file) or secrets.token_hex(32)
 
 
-def bundles(args: argparse.Namespace, driver_ip: str) -> list[dict[str, float]]:
+def bundles(args, driver_ip: str) -> list[dict[str, float]]:
     device = args.devices.split(":")[0]
     if device == "cuda":
         one = {"GPU": 1.0}
@@ -202,8 +207,8 @@ def _connect(address: str, nnodes: int, cpus_per_node: int):
     return True
 
 
-def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Run the cluster described by `args` (the parsed `argv`) on Ray; the exit code."""
+def launch(args) -> int:
+    """Run the cluster described by `args` (EngineArgs) on Ray; the exit code."""
     try:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -211,9 +216,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     except ImportError as e:
         raise ValueError(f"--launcher=ray needs Ray: pip install 'xllm_py[ray]' ({e})") from e
 
-    from xllm_py.cluster.security import TOKEN_ENV
-
-    env = {"PYTHONUNBUFFERED": "1", TOKEN_ENV: cluster_token(args)}  # read before Ray starts
+    token = cluster_token(args)  # read before Ray starts
     t0 = time.perf_counter()
     own_cluster = _connect(args.ray_address, args.nnodes, args.ray_cpus_per_node)
     device_type = args.devices.split(":")[0]
@@ -249,10 +252,10 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         master_addr = f"{ips[0]}:{given or ray.get(actors[0].free_port.remote())}"
         pids = []
         for i, a in enumerate(actors):
-            words = node_argv(argv, i, master_addr, device_type)
+            words = node_argv(args, i, master_addr, device_type)
             if i:  # a worker's gRPC service: its host's address, a free port there
                 words += ["--host", ips[i], "--port", str(ray.get(a.free_port.remote()))]
-            pids.append(ray.get(a.start.remote(words, env)))
+            pids.append(ray.get(a.start.remote(words, node_env(args, i, token))))
             logger.info(
                 "node %d on %s (pid %d) %s",
                 i,
@@ -277,7 +280,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
             ray.shutdown()
 
 
-def _supervise(args: argparse.Namespace, actors, stopping: threading.Event) -> int:
+def _supervise(args, actors, stopping: threading.Event) -> int:
     """Wait for the master to exit, relaying SIGTERM/SIGINT to it; its exit code (1 when a
     worker died and the master still exited 0)."""
     import ray

@@ -13,86 +13,31 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from xllm_py.assets import bundled_model
-from xllm_py.config import (
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    SpecConfig,
-)
+from xllm_py.args import EngineArgs
+from xllm_py.config import EngineConfig
 from xllm_py.engine.llm_engine import LLMEngine, Prompt
 from xllm_py.engine.outputs import RequestOutput
 from xllm_py.sampling_params import SamplingParams
 
 
-def engine_config(
-    model: str | None = None,
-    device: str = "cpu",
-    dtype: str = "auto",
-    block_size: int = 128,
-    max_memory_utilization: float = 0.9,
-    max_cache_size: int = 0,
-    enable_prefix_cache: bool = True,
-    enable_chunked_prefill: bool = True,
-    max_tokens_per_batch: int = 8192,
-    max_seqs_per_batch: int = 256,
-    max_model_len: int = 0,
-    seed: int = 0,
-    enable_graph: bool = False,
-    graph_batch_sizes: Sequence[int] = (1, 2, 4, 8),
-    num_speculative_tokens: int = 0,
-    draft_model: str | None = None,
-    speculative_disable_batch_size: int = 0,
-    speculative_adaptive: bool = False,
-    draft_device: str | None = None,
-    weight_dtype: str = "auto",
-    speculative_draft_vocab_size: int = 0,
-    speculative_token_map: str | None = None,
-) -> EngineConfig:
-    """The engine's configuration from flat options (the offline API and the CLI share it).
+def engine_config(model: str | None = None, **options) -> EngineConfig:
+    """The engine's configuration from LLM's keyword options (EngineArgs.for_offline).
     No model means the bundled one."""
-    return EngineConfig(
-        model=ModelConfig.from_pretrained(model or bundled_model()),
-        cache=CacheConfig(
-            block_size=block_size,
-            max_memory_utilization=max_memory_utilization,
-            max_cache_size=max_cache_size,
-            enable_prefix_cache=enable_prefix_cache,
-        ),
-        scheduler=SchedulerConfig(
-            max_tokens_per_batch=max_tokens_per_batch,
-            max_seqs_per_batch=max_seqs_per_batch,
-            enable_chunked_prefill=enable_chunked_prefill,
-            max_model_len=max_model_len,
-        ),
-        device=DeviceConfig(
-            device=device,
-            dtype=dtype,
-            seed=seed,
-            enable_graph=enable_graph,
-            graph_batch_sizes=tuple(graph_batch_sizes),
-            weight_dtype=weight_dtype,
-        ),
-        spec=SpecConfig(
-            num_speculative_tokens=num_speculative_tokens,
-            draft_model=draft_model,
-            speculative_disable_batch_size=speculative_disable_batch_size,
-            adaptive=speculative_adaptive,
-            draft_device=draft_device,
-            draft_vocab_size=speculative_draft_vocab_size,
-            token_map=speculative_token_map,
-        ),
-    )
+    return EngineArgs.for_offline(model=model, **options).engine_config()
 
 
 class LLM:
-    """Offline generation; every keyword is an `engine_config` option."""
+    """Offline generation. The keywords are the engine's options of `xllm` (EngineArgs,
+    xllm_py/args.py, e.g. dtype, block_size, num_speculative_tokens, grammar_cache_bytes,
+    enable_test_hooks; device and draft_device are also taken for --devices and
+    --draft_devices). The HTTP server's, the cluster's, the secrets and logging options are
+    refused with a TypeError naming the flag; so is cpu_threads (torch's threads stay the
+    caller's to set)."""
 
     def __init__(self, model: str | None = None, **options) -> None:
-        config = engine_config(model, **options)
-        self.engine = LLMEngine(config)
+        args = EngineArgs.for_offline(model=model, **options)
+        args.apply_to_process(threads=False)
+        self.engine = LLMEngine(args.engine_config())
         self._ids = itertools.count()
 
     def get_tokenizer(self):

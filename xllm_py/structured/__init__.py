@@ -25,7 +25,7 @@ limit, and compiled again when next asked for. A matcher holds its own reference
 grammar, so an eviction never disturbs a request in progress.
 
 The API server compiles a spec it has not seen with a timeout (`Grammars.compile(so,
-timeout=...)`): in a child process (grammar_compiler.py) that is killed past the timeout,
+timeout=...)`): in a child process (compiler.py) that is killed past the timeout,
 so a runaway compile stops there (`GrammarCompileTimeout`) and the next spec compiles in a
 fresh child. Without a timeout (a worker, which sees only specs the server accepted: in a
 cluster each worker compiles a grammar the first time a request brings it, inside that
@@ -225,7 +225,7 @@ class Grammars:
             return done
 
     def _compile_in_process(self, so: StructuredOutput, timeout: float) -> str:
-        from xllm_py.grammar_compiler import CompileProcess, CompileTimeout
+        from xllm_py.structured.compiler import CompileProcess, CompileTimeout
 
         if self._proc is None:
             self._proc = CompileProcess(self.info.serialize_json())

@@ -2,7 +2,7 @@
 
 xgrammar's compile is one C++ call that cannot be interrupted, so a compile thread given a
 timeout keeps running (and holding the compiler) after its caller gave up. Here the compile
-runs in a child (`python -m xllm_py.grammar_compiler`, started with subprocess: a fresh
+runs in a child (`python -m xllm_py.structured.compiler`, started with subprocess: a fresh
 interpreter, nothing forked) that holds the tokenizer's info; past its timeout the child is
 killed and a fresh one started, so the next compile is never behind a runaway one.
 
@@ -63,7 +63,7 @@ class CompileProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "xllm_py.grammar_compiler"],
+            [sys.executable, "-m", "xllm_py.structured.compiler"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
