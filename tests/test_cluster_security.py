@@ -29,7 +29,7 @@ import pytest
 
 from tests.server_utils import ROOT, free_port, free_port_range, wait_healthy
 from tests.test_cluster import MODEL, PROMPTS, Node, complete
-from xllm_py.cli import build_parser, check_args, cluster_options
+from xllm_py.cli import build_parser
 from xllm_py.cluster import cluster_pb2 as pb
 from xllm_py.cluster import cluster_pb2_grpc as pb_grpc
 from xllm_py.cluster.coordinator import Coordinator, serve_coordinator
@@ -175,7 +175,7 @@ def test_a_draining_worker_gives_up_on_a_silent_master(monkeypatch, worker_servi
     from xllm_py.cluster import worker_node
 
     monkeypatch.setattr(worker_node, "DRAIN_MARGIN_S", 0.0)
-    opts = cluster_options(cluster_args("--heartbeat_timeout=600"))
+    opts = cluster_args("--heartbeat_timeout=600").cluster_options()
     service, address = worker_service
     service.registered("session-of-the-master")
     service.draining, service.signals = True, 1
@@ -203,7 +203,7 @@ def cluster_args(*flags: str):
     args = build_parser().parse_args(
         ["--nnodes=2", "--node_rank=1", "--master_node_addr=127.0.0.1:1", *flags]
     )
-    check_args(args)
+    args.check()
     return args
 
 
@@ -217,7 +217,7 @@ def test_security_flags_errors_name_the_flag(tmp_path):
     missing = tmp_path / "no-such-token"
     args = cluster_args(f"--cluster_token_file={missing}")  # files are read at start-up
     with pytest.raises(ValueError, match=f"--cluster_token_file={missing}: cannot read it"):
-        cluster_options(args, read_secrets=True)
+        args.cluster_options(read_secrets=True)
     empty = tmp_path / "empty"
     empty.write_text("\n")
     with pytest.raises(ValueError, match="--cluster_token_file=.*: the token is empty"):
@@ -244,7 +244,7 @@ def test_an_unreadable_token_file_stops_a_worker_with_exit_2(tmp_path):
 
 def test_ray_nodes_get_the_token_by_environment_not_argv():
     argv = ["--nnodes=2", "--cluster_token", TOKEN, "--cluster_token_file=/t", "--port=1"]
-    words = node_argv(argv, 1, "10.0.0.1:9", "cpu")
+    words = node_argv(build_parser().parse_args(argv), 1, "10.0.0.1:9", "cpu")
     assert TOKEN not in words and not any(w.startswith("--cluster_token") for w in words)
     assert "--port=1" in words and "--node_rank=1" in words
 

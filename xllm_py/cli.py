@@ -41,7 +41,7 @@ from xllm_py.entrypoints.reasoning import PARSERS as REASONING_PARSERS
 from xllm_py.entrypoints.serve import build_server, run
 from xllm_py.entrypoints.tool_parser import PARSERS as TOOL_CALL_PARSERS
 
-__all__ = ["build_parser", "build_server", "check_args", "main", "run"]
+__all__ = ["build_parser", "build_server", "main", "run"]
 
 
 def build_parser():
@@ -52,20 +52,6 @@ def build_parser():
         + ". Serves /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
         {"reasoning": list(REASONING_PARSERS), "tool_call": list(TOOL_CALL_PARSERS)},
     )
-
-
-def check_args(a: EngineArgs) -> None:
-    """One line naming the flag for every option or combination that cannot run."""
-    a.check()
-
-
-# For callers written against the old cli.py (tests, perf/): EngineArgs does the work.
-def cluster_options(a: EngineArgs, read_secrets: bool = False):
-    return a.cluster_options(read_secrets)
-
-
-def build_config(a: EngineArgs):
-    return a.engine_config()
 
 
 def run_worker(a: EngineArgs) -> int:
