@@ -1,83 +1,44 @@
 #!/usr/bin/env python3
-"""Offline decode throughput: xllm-py's engine vs HF transformers `generate`.
-
-Same tiny DeepSeek-V3 checkpoint, same prompts (random token ids, equal
-lengths so HF needs no padding), greedy, EOS ignored. Decode tokens/s counts
-only tokens after the first: prefill time is measured separately and left
-out (for HF: time(generate N) - time(generate 1)). Both sides run in one
-process, side by side, so the ratio is measured under the same conditions.
+"""Offline decode throughput: xllm-py's engine vs HF transformers `generate`, one process,
+same checkpoint and prompts (random ids of equal length), greedy, EOS ignored. Decode
+tokens/s counts the tokens after the first (HF: time(generate N) - time(generate 1)).
 
     python -m perf.bench_offline                      # the bundled model
     python -m perf.bench_offline --random-model       # random, the probe shape (docs/design.md)
-    python -m perf.bench_offline --model DIR --batch-sizes 1 32 --new-tokens 128
-    python -m perf.bench_offline --graph --graph-k 0 1 --batch-sizes 1 4 8   # graph mode
+    python -m perf.bench_offline --graph --graph-k 0 1 --batch-sizes 1 8 32   # graph mode
+    python -m perf.bench_offline --spec 0 1 2 3 --batch-sizes 1 8 32          # MTP sweep
 
-Writes perf/results/bench_offline.json (override with --output). What one step costs
-(ms per step, tokens per step, in plain steps, and where the time goes) is
-perf/step_cost.py's (`--measure`, `--graph`); this script times whole decodes.
-
-With --spec K [K ...] it instead measures MTP speculative decoding on held-out
-ShareGPT prompts (first user turns, chat template applied): for each batch size
-and each k, output tokens/s of the engine with k draft tokens, speedup over
-k = 0 measured in the same run, mean acceptance length (tokens per target
-pass) and efficiency = speedup / mean acceptance length. Writes
-perf/results/bench_spec.json by default.
+--graph: graph mode off and on for each --graph-k, medians of --repeats interleaved runs
+(results/bench_graph.json). --spec: held-out ShareGPT chat prompts, output tokens/s per k,
+speedup over k = 0, acceptance length and speedup / acceptance (results/bench_spec.json).
+What one step costs is perf/step_cost.py's.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from perf.common import RESULTS, chat_prompts, command, machine, parser, write_json
 from perf.step_cost import decode_run, prompts_for
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # The probe shape (docs/design.md section 6): 4 layers, hidden 256, 8 routed experts.
 DEFAULT_CONFIG = dict(
-    architectures=["DeepseekV3ForCausalLM"],
-    vocab_size=8192,
-    hidden_size=256,
-    intermediate_size=768,
-    moe_intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=128,
-    kv_lora_rank=64,
-    qk_rope_head_dim=32,
-    qk_nope_head_dim=32,
-    v_head_dim=32,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    first_k_dense_replace=1,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-    max_position_embeddings=2048,
-    num_nextn_predict_layers=0,
-    tie_word_embeddings=False,
-    rope_parameters=dict(
-        rope_type="yarn",
-        rope_theta=10000.0,
-        factor=4.0,
-        original_max_position_embeddings=512,
-        beta_fast=32,
-        beta_slow=1,
-        mscale=1.0,
-        mscale_all_dim=1.0,
-    ),
-)
+    architectures=["DeepseekV3ForCausalLM"], vocab_size=8192, hidden_size=256,
+    intermediate_size=768, moe_intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=32,
+    qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+    routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=2048,
+    num_nextn_predict_layers=0, tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                         original_max_position_embeddings=512, beta_fast=32, beta_slow=1,
+                         mscale=1.0, mscale_all_dim=1.0),
+)  # fmt: skip
 
 
 def build_default_model(out: Path) -> Path:
@@ -107,14 +68,9 @@ def build_ours(model_dir: Path, batch: int, dtype: str, graph: bool = False, k: 
 
     t0 = time.perf_counter()
     llm = LLM(
-        model=str(model_dir),
-        dtype=dtype,
-        block_size=128,
-        max_seqs_per_batch=max(batch, 1),
-        enable_graph=graph,
-        graph_batch_sizes=[batch],
-        num_speculative_tokens=k,
-    )
+        model=str(model_dir), dtype=dtype, block_size=128, max_seqs_per_batch=max(batch, 1),
+        enable_graph=graph, graph_batch_sizes=[batch], num_speculative_tokens=k,
+    )  # fmt: skip
     llm.start_s = time.perf_counter() - t0
     return llm
 
@@ -161,38 +117,32 @@ def run_graph_comparison(args, model_dir: Path) -> list[dict]:
     return rows
 
 
+def hf_seconds(model, ids, new_tokens: int) -> tuple[float, float]:
+    """Seconds HF `generate` takes for 1 and for `new_tokens` greedy tokens of the batch
+    `ids`, EOS ignored (the first is the prefill)."""
+
+    def gen(n: int) -> float:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            mask, greedy = torch.ones_like(ids), {"do_sample": False, "eos_token_id": None}
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                           pad_token_id=0, **greedy)  # fmt: skip
+        return time.perf_counter() - t
+
+    return gen(1), gen(new_tokens)
+
+
 def bench_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtype: str) -> dict:
     from transformers import DeepseekV3ForCausalLM
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     model = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
-    vocab = model.config.vocab_size
-    ids = torch.tensor(prompts_for(batch, prompt_len, vocab))
-
-    def gen(n: int) -> float:
-        t = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        return time.perf_counter() - t
-
-    gen(4)  # warm-up
-    prefill = gen(1)
-    total = gen(new_tokens)
+    ids = torch.tensor(prompts_for(batch, prompt_len, model.config.vocab_size))
+    hf_seconds(model, ids, 4)  # warm-up
+    prefill, total = hf_seconds(model, ids, new_tokens)
     decoded = batch * (new_tokens - 1)
-    return {
-        "prefill_s": prefill,
-        "decode_s": total - prefill,
-        "decode_tokens": decoded,
-        "decode_tok_s": decoded / (total - prefill),
-    }
+    return {"prefill_s": prefill, "decode_s": total - prefill, "decode_tokens": decoded,
+            "decode_tok_s": decoded / (total - prefill)}  # fmt: skip
 
 
 MIN_SPEC_PROMPTS = 8
@@ -200,14 +150,10 @@ MIN_SPEC_PROMPTS = 8
 
 def bench_spec(model_dir: Path, batch: int, k: int, new_tokens: int, dtype: str) -> dict:
     from xllm_py import LLM, SamplingParams
-    from xllm_py.sharegpt import held_out_user_turns
 
     llm = LLM(model=str(model_dir), dtype=dtype, max_seqs_per_batch=batch, num_speculative_tokens=k)
-    tok = llm.get_tokenizer()
-    texts = [
-        tok.apply_chat_template([{"role": "user", "content": p}])
-        for p in held_out_user_turns(max(batch, MIN_SPEC_PROMPTS) + 2, 20, 1500)
-    ]  # at batch 1 several prompts run one after another (max_seqs_per_batch=1)
+    # at batch 1 several prompts run one after another (max_seqs_per_batch=1)
+    texts = chat_prompts(llm.get_tokenizer(), max(batch, MIN_SPEC_PROMPTS) + 2, 20, 1500)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(texts[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
     before = llm.get_metrics()
@@ -218,17 +164,14 @@ def bench_spec(model_dir: Path, batch: int, k: int, new_tokens: int, dtype: str)
     drafts, accepted = m.drafts - before.drafts, m.accepted_tokens - before.accepted_tokens
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
-        "batch": batch,
-        "k": k,
-        "output_tokens": generated,
-        "seconds": dt,
+        "batch": batch, "k": k, "output_tokens": generated, "seconds": dt,
         "output_tok_s": generated / dt,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "acceptance_rate": accepted / max(m.draft_tokens - before.draft_tokens, 1) if k else None,
-    }
+    }  # fmt: skip
 
 
-def run_spec_sweep(args, model_dir: Path) -> None:
+def run_spec_sweep(args, model_dir: Path) -> list[dict]:
     rows = []
     for b in args.batch_sizes:
         base = None
@@ -239,118 +182,57 @@ def run_spec_sweep(args, model_dir: Path) -> None:
                 r["speedup"] = r["output_tok_s"] / base
                 r["efficiency"] = r["speedup"] / r["mean_acceptance_length"]
             rows.append(r)
-            print(
-                f"batch {b:>3} k={k}: {r['output_tok_s']:8.1f} tok/s  "
-                f"speedup {r.get('speedup', float('nan')):4.2f}x  "
-                f"accept len {r['mean_acceptance_length']:4.2f}  "
-                f"efficiency {r.get('efficiency', float('nan')):4.2f}",
-                flush=True,
-            )
-    out = args.output if args.output != DEFAULT_OUTPUT else ROOT / "perf/results/bench_spec.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "MTP speculative decoding, greedy, held-out ShareGPT prompts",
-                "command": " ".join(["python"] + sys.argv),
-                "model": str(model_dir),
-                "dtype": args.dtype,
-                "threads": args.threads,
-                "new_tokens": args.new_tokens,
-                "torch": torch.__version__,
-                "results": rows,
-            },
-            indent=2,
-        )
-    )
-    print(f"wrote {out}")
+            print(f"batch {b:>3} k={k}: {r['output_tok_s']:8.1f} tok/s  speedup "
+                  f"{r.get('speedup', float('nan')):4.2f}x  accept len "
+                  f"{r['mean_acceptance_length']:4.2f}  efficiency "
+                  f"{r.get('efficiency', float('nan')):4.2f}", flush=True)  # fmt: skip
+    return rows
 
 
-DEFAULT_OUTPUT = ROOT / "perf/results/bench_offline.json"
+FLAGS = [  # (flag, type, default, help)
+    ("--model", Path, None, "checkpoint directory (None: the bundled model)"),
+    ("--random-model", bool, False, "build and use a random model of docs/design.md's probe "
+     "shape instead"),
+    ("--batch-sizes", int, [1, 32], "concurrent sequences"),
+    ("--prompt-len", int, 32, "prompt tokens per sequence"),
+    ("--new-tokens", int, 128, "tokens generated per sequence"),
+    ("--dtype", ("float32", "bfloat16"), "float32", "run dtype (both sides)"),
+    ("--threads", int, 2, "torch threads (both sides)"),
+    ("--spec", int, None, "measure MTP speculation at these k (0: the baseline)",
+     {"nargs": "+", "metavar": "K"}),
+    ("--graph", bool, False, "graph mode off vs on (and HF)"),
+    ("--graph-k", int, [0], "with --graph: MTP draft tokens per step (0: plain decoding)"),
+    ("--repeats", int, 3, "with --graph: runs per config"),
+    ("--output", Path, None, "JSON result file (None: results/bench_offline.json, "
+     "bench_graph.json with --graph, bench_spec.json with --spec)"),
+]  # fmt: skip
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--model", type=Path, help="checkpoint dir (default: the bundled model)")
-    ap.add_argument(
-        "--random-model",
-        action="store_true",
-        help="build and use a random model of the probe shape of docs/design.md instead",
-    )
-    ap.add_argument(
-        "--batch-sizes", type=int, nargs="+", default=[1, 32], help="concurrent sequences"
-    )
-    ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence")
-    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sequence")
-    ap.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="run dtype (both sides)"
-    )
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (both sides)")
-    ap.add_argument(
-        "--spec",
-        type=int,
-        nargs="+",
-        metavar="K",
-        help="measure MTP speculation with these k values (include 0 for the baseline)",
-    )
-    ap.add_argument(
-        "--graph",
-        action="store_true",
-        help="compare graph mode off and on (and HF), medians of --repeats interleaved runs; "
-        "writes perf/results/bench_graph.json by default",
-    )
-    ap.add_argument(
-        "--graph-k",
-        type=int,
-        nargs="+",
-        default=[0],
-        metavar="K",
-        help="with --graph: MTP draft tokens per step to measure (0 = plain decoding)",
-    )
-    ap.add_argument("--repeats", type=int, default=3, help="with --graph: runs per config")
-    ap.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parser(__doc__, FLAGS).parse_args(argv)
     torch.set_num_threads(args.threads)
-    tmp = None
-    model_dir = args.model
+    tmp = tempfile.TemporaryDirectory()
     if args.random_model:
-        tmp = tempfile.TemporaryDirectory()
         model_dir = build_default_model(Path(tmp.name))
-    elif model_dir is None:
+    else:
         from xllm_py.assets import bundled_model
 
-        model_dir = Path(bundled_model())
+        model_dir = args.model or Path(bundled_model())
     if args.spec:
-        run_spec_sweep(args, model_dir)
-        return
-    if args.graph:
-        rows = run_graph_comparison(args, model_dir)
-        if args.output == DEFAULT_OUTPUT:
-            args.output = ROOT / "perf/results/bench_graph.json"
+        rows, name, what = run_spec_sweep(args, model_dir), "bench_spec", "MTP speculative decoding"
+    elif args.graph:
+        rows, name, what = run_graph_comparison(args, model_dir), "bench_graph", "graph off vs on"
     else:
-        rows = bench_plain(args, model_dir)
+        rows, name, what = bench_plain(args, model_dir), "bench_offline", "vs HF generate"
     result = {
-        "benchmark": "offline decode throughput, greedy, EOS ignored"
-        + (", graph mode off vs on" if args.graph else ""),
-        "command": " ".join(["python"] + sys.argv),
+        "benchmark": f"offline decode throughput, greedy, EOS ignored: {what}",
+        "command": command("bench_offline", argv),
         "model": "random, DEFAULT_CONFIG" if args.random_model else str(model_dir),
-        "config": DEFAULT_CONFIG if args.random_model else None,
-        "dtype": args.dtype,
-        "threads": args.threads,
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "torch": torch.__version__,
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": torch.get_num_threads(),
-        },
+        "config": DEFAULT_CONFIG if args.random_model else None, "dtype": args.dtype,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "machine": machine(),
         "results": rows,
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.output}")
+    }  # fmt: skip
+    write_json(args.output or RESULTS / f"{name}.json", result)
 
 
 def bench_plain(args, model_dir: Path) -> list[dict]:

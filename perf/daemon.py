@@ -1,11 +1,11 @@
 """Start a server process on a loopback port and wait until it answers: our daemon
-(`Server`), another engine or a launcher script (`Daemon`). The one launcher of perf/ and
-of the tests (tests/server_utils.py re-exports it)."""
+(`Server`), another engine or a launcher script (`Daemon`); read its /metrics. The one
+launcher of perf/ and of the tests (tests/server_utils.py re-exports it)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import platform
 import re
 import signal
 import socket
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from perf.common import ROOT
 
 
 def free_port() -> int:
@@ -126,24 +126,13 @@ class Daemon:
         self.log.close()
         return self.proc.returncode
 
-    def metrics(self) -> dict[str, float]:
-        """`name{labels}` -> value for every sample of /metrics."""
-        out = {}
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line and not line.startswith("#"):
-                key, value = line.rsplit(" ", 1)
-                out[key] = float(value)
-        return out
-
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels`."""
-        total = 0.0
-        for key, value in self.metrics().items():
-            m = re.fullmatch(r"([^{]+)(?:\{(.*)\})?", key)
-            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-            if m.group(1) == name and all(have.get(k) == v for k, v in labels.items()):
-                total += value
-        return total
+        """Sum of the samples of `name` in /metrics whose labels include `labels`."""
+        page = httpx.get(self.url + "/metrics", timeout=10).text
+        return sum(
+            v for n, have, v in samples(page)
+            if n == name and all(have.get(k) == x for k, x in labels.items())
+        )  # fmt: skip
 
     def __enter__(self):
         return self
@@ -181,6 +170,16 @@ def warm_up(base_url: str, extra_body: dict | None = None) -> None:
         ).raise_for_status()
 
 
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample of a Prometheus text page."""
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)", line)
+        with contextlib.suppress(TypeError, ValueError):  # no sample (None), or no number
+            out.append((m[1], dict(re.findall(r'(\w+)="([^"]*)"', m[2] or "")), float(m[3])))
+    return out
+
+
 def flag_value(flags: list[str], name: str) -> str | None:
     """The value of --name in a daemon command line (--name=v or --name v), else None."""
     value = None
@@ -190,27 +189,3 @@ def flag_value(flags: list[str], name: str) -> str | None:
         elif f == f"--{name}" and i + 1 < len(flags):
             value = flags[i + 1]
     return value
-
-
-def machine() -> dict:
-    """The machine and software a result was measured on, for the result JSON."""
-    import torch
-
-    cpu = platform.processor()
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.is_file() else []
-    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
-    meminfo = Path("/proc/meminfo")
-    mem = f"{int(meminfo.read_text().split()[1]) / 2**20:.0f} GiB" if meminfo.is_file() else ""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory": mem,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "git_commit": commit,
-    }

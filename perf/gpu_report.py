@@ -2,45 +2,19 @@
 """GPU decode report in one command, on a random DeepSeek-V3-shaped checkpoint with MTP.
 
     python -m perf.gpu_report                                # CUDA: ~2.6B parameters, bf16 + FP8
-    python -m perf.gpu_report --formats bf16 --batch-sizes 1 8 --k 1
     python -m perf.gpu_report --preset tiny --device cpu     # the same pipeline, tiny, on CPU
 
-tools/make_random_checkpoint.py writes the checkpoint (with one MTP layer) in each format
-of --formats: bf16, and FP8 block-quantised. The JSON says how the loader held the weights
-(`weights_in_memory_dtype`, bytes by dtype): FP8 expanded to the run dtype at load, or FP8.
-Random prompt ids (fixed seed), greedy, EOS ignored, prefix cache off. For each format:
-
-  decode tok/s   batch * (new_tokens - 1) / decode seconds at each batch size; the prefill
-                 step is timed apart and left out (perf/step_cost.py's decode_run); after an
-                 untimed run of the same batch
-  step split     ms per decode step in the target's MLA layers (attention), its MoE layers,
-                 its dense MLP layers, its head (lm_head logits), the draft (the proposer:
-                 MTP layer and its head) and the rest (scheduling, sampling, verification,
-                 Python), from perf/step_cost.py's torch.profiler split (a GPU: the
-                 kernels' device time; CPU: wall time); a separate run, so the timed run
-                 carries no instrumentation
-  roofline       at batch 1: the bytes a decode step must read (the weights one token
-                 touches: embedding row, attention, dense MLP, router, shared and top-k
-                 routed experts, norms, head, in the dtype held, `*proj` matrices at 1 byte
-                 plus block scales when held in FP8; plus the KV it attends over) / step time,
-                 as a fraction of peak memory bandwidth (datasheet by device name, or
-                 --hbm-gbps, or else measured here by a copy, which the JSON says)
-  MTP step cost  for each k of --k, an oracle draft (perf/oracle.py: the plain
-                 run's continuation) while the real MTP layer still runs each step for its
-                 cost: ms per MTP step / ms per plain step at the same batch, tokens per
-                 step. Emitted tokens are pinned to the plain run's, so every draft is
-                 accepted whatever the weights and however a (k + 1)-row pass rounds
-                 (bfloat16 near-ties); `verification_agreement` is the fraction of them the
-                 verification chose by itself (1.0: the plain run's tokens exactly)
-
-Progress is printed as it goes, a table at the end; JSON goes to
-perf/results/gpu/<device>.json (<device>-<preset>.json for a preset other than gpu).
+For each checkpoint format (bf16, FP8 block-quantised; tools/make_random_checkpoint.py) and
+random prompt ids, greedy, EOS ignored: decode tok/s per batch size (prefill left out, after
+an untimed run), step_cost.py's profiler split of a step, the batch-1 roofline (bytes a step
+must read / step time, over the peak bandwidth: datasheet, --hbm-gbps or a measured copy),
+and the MTP step cost with an oracle draft (perf/oracle.py) while the real MTP layer runs,
+emitted tokens pinned to the plain run's (`verification_agreement`: the share the
+verification chose itself). JSON: perf/results/gpu/<device>[-<preset>].json.
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
 import json
 import platform
 import re
@@ -52,11 +26,10 @@ from pathlib import Path
 
 import torch
 
+from perf.common import RESULTS, close, command, md_table, parser, write_json
 from perf.oracle import install_oracle
 from perf.step_cost import LABELS, decode_run, profiled_split, prompts_for, sync
 from tools.make_random_checkpoint import BASE_CONFIG, make_random_checkpoint
-
-ROOT = Path(__file__).resolve().parent.parent
 
 PRESETS = {
     # DeepSeek-V3's layout at hidden 2048 (V2-Lite's width), experts at half its 1408.
@@ -82,7 +55,7 @@ PRESETS = {
             first_k_dense_replace=1,
             max_position_embeddings=4096,
             rope_scaling=dict(BASE_CONFIG["rope_scaling"], original_max_position_embeddings=1024),
-        ),
+        ),  # fmt: skip
         fp8_block=(128, 128),
     ),
     "tiny": dict(overrides={}, fp8_block=(32, 32)),  # make_random_checkpoint's own dims
@@ -131,13 +104,11 @@ def param_counts(cfg: dict) -> dict:
     target += sum(layer(i) for i in range(n))
     mtp = sum(layer(i) + 2 * h * h + 3 * h for i in range(n, n + num_mtp))
     return {
-        "target": target,
-        "mtp": mtp,
-        "total": target + mtp,
+        "target": target, "mtp": mtp, "total": target + mtp,
         "active_per_token": h + sum(layer(i, True) for i in range(n)) + h + vocab_h,
         "active_proj": sum(proj(i, True) for i in range(n)),
         "float32_router": router * sum(map(is_moe, range(n))),
-    }
+    }  # fmt: skip
 
 
 def table_bandwidth(name: str) -> float | None:
@@ -208,17 +179,12 @@ def make_llm(path: Path, cfg: dict, args, dtype: torch.dtype, k: int):
     layers = cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"]
     per_block = layers * BLOCK * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
     return LLM(
-        model=str(path),
-        device=args.device,
-        dtype=str(dtype).removeprefix("torch."),
-        block_size=BLOCK,
-        enable_prefix_cache=False,
-        max_seqs_per_batch=big,
+        model=str(path), device=args.device, dtype=str(dtype).removeprefix("torch."),
+        block_size=BLOCK, enable_prefix_cache=False, max_seqs_per_batch=big,
         max_tokens_per_batch=max(8192, big * (args.prompt_len + k + 1)),
-        max_cache_size=blocks * per_block * dtype.itemsize,
-        num_speculative_tokens=k,
+        max_cache_size=blocks * per_block * dtype.itemsize, num_speculative_tokens=k,
         seed=args.seed,
-    )
+    )  # fmt: skip
 
 
 def bench_engine(llm, k: int, args, device, vocab: int, plain: dict, reference: dict) -> list:
@@ -231,14 +197,10 @@ def bench_engine(llm, k: int, args, device, vocab: int, plain: dict, reference: 
         r = decode_run(llm, prompts, args.new_tokens, device)
         step_ms = r["step_ms"]
         row = {
-            "k": k,
-            "batch": b,
-            "decode_tok_s": b * (args.new_tokens - 1) / r["decode_s"],
-            "step_ms": step_ms,
-            "decode_steps": r["decode_steps"],
-            "tokens_per_step": r["tokens_per_step"],
-            "prefill_s": r["prefill_s"],
-        }
+            "k": k, "batch": b, "decode_tok_s": b * (args.new_tokens - 1) / r["decode_s"],
+            "step_ms": step_ms, "decode_steps": r["decode_steps"],
+            "tokens_per_step": r["tokens_per_step"], "prefill_s": r["prefill_s"],
+        }  # fmt: skip
         if k == 0:
             plain[b] = row
             reference.update({tuple(p): p + t for p, t in zip(prompts, r["tokens"])})
@@ -250,7 +212,7 @@ def bench_engine(llm, k: int, args, device, vocab: int, plain: dict, reference: 
                 acceptance_rate=r["accepted"] / max(r["draft_tokens"], 1),
                 mean_acceptance_length=1 + r["accepted"] / max(r["drafts"], 1),
                 verification_agreement=(tally[0] - agreed) / (tally[1] - emitted),
-            )
+            )  # fmt: skip
         row["split"] = profiled_split(llm, prompts, args.new_tokens, device)
         print(
             f"  k={k} batch {b:>3}: {row['decode_tok_s']:9.1f} tok/s  step {step_ms:7.2f} ms"
@@ -287,15 +249,11 @@ def roofline(cfg, counts, args, itemsize: int, fp8_block, step_ms: float, peak: 
     kv_bytes = kv * itemsize
     achieved = (weights + kv_bytes) / (step_ms / 1000)
     return {
-        "weight_bytes_per_step": weights,
-        "proj_bytes_per_parameter": proj_bytes,
-        "kv_bytes_per_step": kv_bytes,
-        "step_ms": step_ms,
-        "achieved_bytes_per_s": achieved,
-        "peak_bytes_per_s": peak["bytes_per_s"],
-        "peak_source": peak["source"],
+        "weight_bytes_per_step": weights, "proj_bytes_per_parameter": proj_bytes,
+        "kv_bytes_per_step": kv_bytes, "step_ms": step_ms, "achieved_bytes_per_s": achieved,
+        "peak_bytes_per_s": peak["bytes_per_s"], "peak_source": peak["source"],
         "fraction_of_peak": achieved / peak["bytes_per_s"],
-    }
+    }  # fmt: skip
 
 
 def bench_format(fmt: str, path: Path, args, device, dtype, counts, peak) -> dict:
@@ -310,21 +268,15 @@ def bench_format(fmt: str, path: Path, args, device, dtype, counts, peak) -> dic
         mib = ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in held.items())
         print(f"{fmt}, k={k}: engine ready in {load_s[k]:.1f} s; target weights: {mib}", flush=True)
         rows += bench_engine(llm, k, args, device, cfg["vocab_size"], plain, reference)
-        llm.engine.core.shutdown()
-        del llm
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        close(llm)
     out = {
         "checkpoint": str(path),
         "fp8_block": cfg.get("quantization_config", {}).get("weight_block_size"),
-        "weights_in_memory_dtype": in_memory,
-        "weights_in_memory_bytes": held,
+        "weights_in_memory_dtype": in_memory, "weights_in_memory_bytes": held,
         "engine_start_s": load_s,
         "decode_tok_s": {b: row["decode_tok_s"] for b, row in plain.items()},
-        "roofline_batch1": None,
-        "runs": rows,
-    }
+        "roofline_batch1": None, "runs": rows,
+    }  # fmt: skip
     if 1 in plain:
         block = out["fp8_block"] if any(n.startswith("float8") for n in held) else None
         step_ms = plain[1]["step_ms"]
@@ -338,29 +290,24 @@ def print_table(result: dict) -> None:
         f"({millions(result['parameters']['total'])} parameters), run dtype "
         f"{result['run_dtype']}, prompt {result['prompt_len']}, {result['new_tokens']} new"
     )
-    cols = "  ".join(f"{n[:6]:>6}" for n in (*LABELS, "other"))
-    print(
-        f"{'format':6} {'k':>2} {'batch':>5} {'tok/s':>10} {'step ms':>8} {'tok/st':>6} "
-        f"{'cost':>5} {'agree':>6}  {cols}"
-    )
+    head = ["format", "k", "batch", "tok/s", "step ms", "tok/step", "cost", "agree"]
+    rows = []
     for fmt, res in result["formats"].items():
         for r in res["runs"]:
-            cost = f"{r['step_cost_vs_plain']:5.2f}" if r["k"] else "    -"
-            acc = f"{r['verification_agreement']:6.3f}" if r["k"] else "     -"
-            fr = "  ".join(f"{100 * r['split']['fraction'][n]:5.1f}%" for n in (*LABELS, "other"))
-            print(
-                f"{fmt:6} {r['k']:>2} {r['batch']:>5} {r['decode_tok_s']:10.1f} "
-                f"{r['step_ms']:8.2f} {r['tokens_per_step']:6.2f} {cost} {acc}  {fr}"
-            )
-        roof = res["roofline_batch1"]
-        if roof:
-            print(
-                f"{fmt}: batch 1 reads {roof['weight_bytes_per_step'] / 2**20:.1f} MiB weights"
-                f" + {roof['kv_bytes_per_step'] / 2**20:.2f} MiB KV per step: "
-                f"{roof['achieved_bytes_per_s'] / 1e9:.1f} GB/s = "
-                f"{100 * roof['fraction_of_peak']:.2f}% of {roof['peak_bytes_per_s'] / 1e9:.0f}"
-                f" GB/s ({roof['peak_source']})"
-            )
+            cost = ("{step_cost_vs_plain:.2f} {verification_agreement:.3f}".format(**r).split()
+                    if r["k"] else "--")  # fmt: skip
+            split = [f"{100 * r['split']['fraction'][n]:.1f}%" for n in (*LABELS, "other")]
+            rows.append([fmt, r["k"], r["batch"], f"{r['decode_tok_s']:.1f}",
+                         f"{r['step_ms']:.2f}", f"{r['tokens_per_step']:.2f}",
+                         *cost, *split])  # fmt: skip
+    print(md_table(head + [*LABELS, "other"], rows))
+    for fmt, res in result["formats"].items():
+        if roof := res["roofline_batch1"]:
+            print(f"{fmt}: batch 1 reads {roof['weight_bytes_per_step'] / 2**20:.1f} MiB weights + "
+                  f"{roof['kv_bytes_per_step'] / 2**20:.2f} MiB KV per step: "
+                  f"{roof['achieved_bytes_per_s'] / 1e9:.1f} GB/s = "
+                  f"{100 * roof['fraction_of_peak']:.2f}% of {roof['peak_bytes_per_s'] / 1e9:.0f}"
+                  f" GB/s ({roof['peak_source']})")  # fmt: skip
         if any(r["verification_agreement"] < 1 for r in res["runs"] if r["k"]):
             print(
                 f"{fmt}: the verification chose other tokens than the plain run somewhere "
@@ -368,71 +315,29 @@ def print_table(result: dict) -> None:
             )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add = ap.add_argument
-    add(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cuda[:N] or cpu (default: cuda when one is visible)",
-    )
-    add(
-        "--preset",
-        choices=sorted(PRESETS),
-        help="model dims: gpu (~2.6B parameters, DeepSeek-V3's layout) or tiny "
-        "(make_random_checkpoint's, for CPU); default: gpu on CUDA, tiny on CPU",
-    )
-    add(
-        "--formats",
-        nargs="+",
-        choices=FORMATS,
-        default=FORMATS,
-        help="checkpoint formats to build and measure (bf16, FP8 block-quantised)",
-    )
-    add(
-        "--dtype",
-        default="auto",
-        help="run dtype: auto (bfloat16 on a GPU, float32 on CPU, as the engine), or a name",
-    )
-    add(
-        "--batch-sizes",
-        type=int,
-        nargs="+",
-        default=[1, 8, 32, 128],
-        help="concurrent sequences of each run; batch 1 gives the roofline figure",
-    )
-    add(
-        "--k",
-        type=int,
-        nargs="*",
-        default=[1, 3],
-        help="draft tokens per step of the oracle MTP runs (none: plain decoding only)",
-    )
-    add("--prompt-len", type=int, default=64, help="prompt tokens per sequence (random ids)")
-    add("--new-tokens", type=int, default=128, help="tokens generated per sequence")
-    add(
-        "--hbm-gbps",
-        type=float,
-        help="peak memory bandwidth in GB/s for the roofline (default: the datasheet figure "
-        "by GPU name, else a copy measured on the device)",
-    )
-    add(
-        "--work-dir",
-        type=Path,
-        help="build the checkpoints here and reuse them in later runs (default: a temporary "
-        "directory, removed at the end)",
-    )
-    add("--seed", type=int, default=0, help="seed of the random weights and of the engine")
-    add("--threads", type=int, help="torch CPU threads (default: torch's)")
-    add(
-        "--output",
-        type=Path,
-        help="JSON file (default: perf/results/gpu/<device>.json, <device>-<preset>.json "
-        "for a preset other than gpu)",
-    )
-    return ap
+FLAGS = [  # (flag, type, default, help)
+    ("--device", str, "cuda" if torch.cuda.is_available() else "cpu", "cuda[:N] or cpu"),
+    ("--preset", tuple(PRESETS), None, "model dims: gpu (~2.6B parameters, DeepSeek-V3's "
+     "layout) or tiny (for CPU); None: gpu on CUDA, tiny on CPU"),
+    ("--formats", tuple(FORMATS), FORMATS, "checkpoint formats to build and measure"),
+    ("--dtype", str, "auto", "run dtype (auto: bfloat16 on a GPU, float32 on CPU)"),
+    ("--batch-sizes", int, [1, 8, 32, 128], "concurrent sequences of each run (1: roofline)"),
+    ("--k", int, [1, 3], "draft tokens per step of the oracle MTP runs (none: plain only)",
+     {"nargs": "*"}),
+    ("--prompt-len", int, 64, "prompt tokens per sequence (random ids)"),
+    ("--new-tokens", int, 128, "tokens generated per sequence"),
+    ("--hbm-gbps", float, None, "peak memory bandwidth in GB/s (None: the datasheet's by GPU "
+     "name, else a copy measured on the device)"),
+    ("--work-dir", Path, None, "build the checkpoints here and reuse them later (None: a "
+     "temporary directory)"),
+    ("--seed", int, 0, "seed of the random weights and of the engine"),
+    ("--threads", int, None, "torch CPU threads (None: torch's)"),
+    ("--output", Path, None, "JSON file (None: perf/results/gpu/<device>[-<preset>].json)"),
+]  # fmt: skip
+
+
+def build_parser():
+    return parser(__doc__, FLAGS)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -462,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "decode on a random DeepSeek-V3-shaped checkpoint with MTP "
         "(python -m perf.gpu_report), greedy, EOS ignored, random prompt ids",
-        "command": " ".join(["python", "-m", "perf.gpu_report", *(argv or sys.argv[1:])]),
+        "command": command("gpu_report", argv),
         "device": {
             "type": device.type,
             "name": name,
@@ -489,12 +394,8 @@ def main(argv: list[str] | None = None) -> dict:
             result["formats"][fmt] = bench_format(fmt, path, args, device, dtype, counts, peak)
     print_table(result)
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    out = args.output or ROOT / "perf/results/gpu" / (
-        slug + ("" if args.preset == "gpu" else f"-{args.preset}") + ".json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    suffix = "" if args.preset == "gpu" else f"-{args.preset}"
+    write_json(args.output or RESULTS / "gpu" / f"{slug}{suffix}.json", result)
     return result
 
 

@@ -1,55 +1,25 @@
 #!/usr/bin/env python3
-"""llama.cpp (through llama-cpp-python) as a peer engine for the serving sweep.
+"""llama.cpp (through llama-cpp-python) as a peer engine for the serving sweep: the bundled
+(or any DeepSeek-V3) checkpoint converted to an f32 GGUF by llama.cpp's own converter, served
+by llama_cpp.server, and the greedy agreement of its tokens with ours.
 
     pip install -e .[llamacpp]            # compiles llama.cpp (about 20 min on 2 cores)
     python -m perf.llama_cpp_peer         # convert the bundled model, greedy agreement
     python -m perf.mtp_sweep --peer llama.cpp    # serve it and benchmark it beside ours
 
-What it gives perf/mtp_sweep.py:
-
-- `convert(model_dir, out_dir)`: the HF checkpoint as a GGUF file (f32), made with the
-  converter of the installed llama-cpp-python's own llama.cpp (convert_hf_to_gguf.py from
-  its sdist, cached), with the shims a checkpoint may need (`shim_config`,
-  `gguf_pre_tokenizer`) applied to a temporary copy. Cached: redone only when an input is
-  newer than the GGUF or llama-cpp-python's version changed.
-- `server_command(gguf, port, n_ctx, threads)`: llama-cpp-python's OpenAI-compatible
-  server on 127.0.0.1:port; start it with `env=server_env()`. It has no /health (404):
-  poll GET {url}`READY_PATH` (/v1/models) for 200; the model is loaded before it listens.
-  `server_threads()`: the thread count to give it, all cores but one (on 2 cores, 1
-  thread decodes 2.5x faster than 2 with the load generator on the same machine).
-- `extra_request_body()`: fields every request must carry for a like-for-like run,
-  {"repeat_penalty": 1.0, "logit_bias": {"<eos id>": -1e9}}: llama_cpp.server ignores
-  `ignore_eos` (requests end at EOS) and applies a repeat penalty of 1.1 by default, also
-  at temperature 0 (so its "greedy" output is not greedy).
-- `greedy_agreement(gguf, model_dir, prompts, max_tokens)`: greedy continuations of the
-  same prompt token ids from llama.cpp (in-process) and from our engine, compared.
-
-Numerics. The GGUF is f32: the checkpoint's bf16 weights convert to f32 exactly, and our
-engine computes in float32 on CPU, so both sides run the same weights at the same
-precision (f16 would round bf16 values to a narrower exponent range; a bf16 GGUF would
-make llama.cpp run its bf16 kernels). The MTP layer (model.layers.N) is dropped by the
-converter: llama.cpp runs the target model only, without speculative decoding.
-
-Serving. llama_cpp.server runs one request at a time (the others wait on a lock), so at
-concurrency > 1 it measures queueing, not batching. `server_command` turns its default
-`interrupt_requests` off: with it on, a request arriving ends the one streaming with
-[DONE] (at concurrency 2, 7 of 8 requests came back with 1 token). Its streamed chunks
-carry no `usage` (it ignores stream_options), so bench_serving counts output tokens by
-re-tokenizing the text: exact for most outputs, a few tokens short (~1%) where the model
-emits a non-canonical tokenization.
-
-Timing. llama.cpp's threads spin while they wait for each other, so its speed collapses
-(by 20x and more on 2 cores) when another busy process holds a core it wants. Hence
-`server_threads()` (all cores but one) everywhere here, and timings are to be taken on an
-otherwise idle machine (the CLI records the load average it started at)."""
+f32: bf16 weights convert exactly and our CPU engine runs float32, so both run the same
+weights at the same precision. The converter drops the MTP layer (no speculation there).
+llama_cpp.server runs one request at a time (concurrency > 1 measures queueing), ignores
+`ignore_eos` and stream_options (bench_serving then re-tokenizes the text), and applies a
+repeat penalty at temperature 0: hence `extra_request_body()`. ggml's threads spin, so it
+gets all cores but one (`server_threads()`) and is timed on an otherwise idle machine.
+"""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -59,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from perf.daemon import ROOT, Daemon
+from perf.common import RESULTS, chat_prompts, command, machine, parser, write_json
 
 DIST = "llama-cpp-python"  # the PyPI distribution (module: llama_cpp)
 READY_PATH = "/v1/models"  # llama_cpp.server has no /health
@@ -67,7 +37,6 @@ GGUF_OUTTYPE = "f32"
 CACHE_DIR = Path(
     os.environ.get("XLLM_LLAMA_CPP_CACHE", Path.home() / ".cache" / "xllm_py" / "llama_cpp")
 )
-RESULT = ROOT / "perf" / "results" / "llama_cpp_peer.json"
 # What convert() needs from the llama.cpp source tree (paths under vendor/llama.cpp/ in
 # the sdist): the script, the `conversion` package it imports (newer llama.cpp keeps the
 # model classes there) and the matching gguf-py.
@@ -76,30 +45,12 @@ CONVERTER_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 # port, a config file replacing all flags) or that would make it demand a key.
 SERVER_ENV_DROP = ("HOST", "PORT", "CONFIG_FILE", "API_KEY")
 
-# ---- the config shim (pure) ---------------------------------------------------------------------
-
 
 def shim_config(config: dict) -> tuple[dict, list[str]]:
-    """`config` as llama.cpp's DeepSeek converter needs it, and what was changed.
-
-    Checked by converting variants of the bundled config with llama-cpp-python 0.3.36's
-    converter (conversion/deepseek.py, base.py):
-
-    - num_key_value_heads must equal num_attention_heads: the converter splits kv_b_proj
-      into k_b / v_b with it as the head count and asserts the shape (before it writes 1
-      into the GGUF for MLA); a missing value or 1 stops it with an AssertionError. Set to
-      num_attention_heads when missing or different.
-    - scoring_func: without it no gating function is written and llama.cpp falls back to
-      softmax routing (meant for old DeepSeek-V2 files), while DeepSeek-V3 routes with a
-      sigmoid (HF's DeepseekV3 has no other). Set to "sigmoid" for DeepseekV3ForCausalLM
-      when missing.
-
-    Not needed with this converter: rope_theta at the top level (it reads
-    rope_parameters.rope_theta, the transformers >= 5 layout, as well as rope_scaling),
-    topk_method (not read: group-limited routing comes from n_group / topk_group and the
-    bias from e_score_correction_bias) and removing head_dim (the MLA key and value lengths
-    overwrite it). The bundled config needs no change at all: its one incompatibility is
-    the tokenizer (`gguf_pre_tokenizer`)."""
+    """`config` as llama.cpp's DeepSeek converter needs it, and what was changed
+    (checked against llama-cpp-python 0.3.36's converter): num_key_value_heads must equal
+    num_attention_heads (it splits kv_b_proj with it, and asserts); without scoring_func it
+    routes DeepseekV3 by softmax instead of sigmoid. The bundled config needs neither."""
     cfg = dict(config)
     changes = []
     n_head = cfg.get("num_attention_heads")
@@ -113,14 +64,9 @@ def shim_config(config: dict) -> tuple[dict, list[str]]:
 
 
 def gguf_pre_tokenizer(tokenizer_json: dict) -> str | None:
-    """The llama.cpp pre-tokenizer to use when the converter does not recognise the
-    tokenizer, or None when there is no safe choice.
-
-    The converter identifies a BPE pre-tokenizer by the hash of the token ids of a fixed
-    test string, so a tokenizer trained from scratch (ours) is unknown to it and it stops.
-    A byte-level BPE whose pre-tokenizer is a plain `ByteLevel` with `use_regex` (the GPT-2
-    split regex), with no normaliser, splits exactly as llama.cpp's "gpt-2" pre-tokenizer;
-    anything else is left to fail."""
+    """The llama.cpp pre-tokenizer for a BPE tokenizer the converter does not know (it
+    identifies them by hash): "gpt-2" for a plain byte-level BPE with the GPT-2 split regex
+    and no normaliser (ours), else None (no safe choice)."""
     model = tokenizer_json.get("model") or {}
     pre = tokenizer_json.get("pre_tokenizer") or {}
     if model.get("type") != "BPE" or tokenizer_json.get("normalizer") is not None:
@@ -134,9 +80,8 @@ def gguf_pre_tokenizer(tokenizer_json: dict) -> str | None:
 
 
 def prepare_model_copy(model_dir: Path, dest: Path) -> list[str]:
-    """A converter-ready view of `model_dir` in `dest` (created): weights linked (copied
-    where links fail), small files copied, config.json shimmed. `model_dir` is only read.
-    Returns the config changes."""
+    """A converter-ready copy of `model_dir` (only read) in `dest`: weights linked (else
+    copied), other files copied, config.json shimmed. Returns the config changes."""
     dest.mkdir(parents=True, exist_ok=True)
     for f in sorted(Path(model_dir).iterdir()):
         if not f.is_file() or f.name == "config.json":
@@ -152,9 +97,6 @@ def prepare_model_copy(model_dir: Path, dest: Path) -> list[str]:
     cfg, changes = shim_config(json.loads((Path(model_dir) / "config.json").read_text()))
     (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return changes
-
-
-# ---- the converter ------------------------------------------------------------------------------
 
 
 def installed_version() -> str | None:
@@ -197,12 +139,9 @@ def _extract_converter(sdist: Path, dest: Path) -> None:
 
 
 def converter_dir(version: str | None = None, cache_dir: Path = CACHE_DIR) -> Path:
-    """A directory with llama.cpp's convert_hf_to_gguf.py (and what it imports) matching
-    the installed llama-cpp-python, so the GGUF is what its llama.cpp reads.
-
-    $LLAMA_CPP_CONVERTER_DIR (a llama.cpp checkout) wins; else the converter is taken from
-    the llama-cpp-python sdist of the installed version (`pip download --no-binary`, only
-    the converter files are kept) into cache_dir/llama.cpp-<version>/."""
+    """A folder with the convert_hf_to_gguf.py (and what it imports) of the installed
+    llama-cpp-python's llama.cpp: $LLAMA_CPP_CONVERTER_DIR, else taken from its sdist
+    (`pip download --no-binary`) into cache_dir/llama.cpp-<version>/."""
     if env := os.environ.get("LLAMA_CPP_CONVERTER_DIR"):
         return Path(env)
     version = version or installed_version()
@@ -258,9 +197,8 @@ script.main()
 def conversion_command(
     converter: Path, model_copy: Path, outfile: Path, outtype: str = GGUF_OUTTYPE, pre: str = ""
 ) -> list[str]:
-    """The command converting `model_copy` to `outfile` (through `env`, with the converter
-    on PYTHONPATH); `pre`: the pre-tokenizer for an unrecognised tokenizer ("" = none, the
-    converter stops on one)."""
+    """The command converting `model_copy` to `outfile`; `pre`: the pre-tokenizer for an
+    unrecognised tokenizer ("": none, the converter stops on one)."""
     path = os.pathsep.join(
         [str(converter), f"{converter}/gguf-py", os.environ.get("PYTHONPATH", "")]
     )
@@ -298,12 +236,9 @@ def is_fresh(gguf: Path, model_dir: Path, version: str | None) -> bool:
 def convert(
     model_dir: Path, out_dir: Path, outtype: str = GGUF_OUTTYPE, converter: Path | None = None
 ) -> Path:
-    """`model_dir` (HF layout) as `out_dir`/<name>.<outtype>.gguf, cached.
-
-    f32 by default (see the module docstring: exact for bf16 weights, and our engine runs
-    float32 on CPU). The converter is llama-cpp-python's own (`converter_dir`); the
-    checkpoint goes through `shim_config` / `gguf_pre_tokenizer` in a temporary copy. A
-    <name>.<outtype>.json next to the GGUF records the converter version and the shims."""
+    """`model_dir` as `out_dir`/<name>.<outtype>.gguf, converted from a shimmed temporary
+    copy; cached (redone when an input is newer or llama-cpp-python's version changed). The
+    <name>.<outtype>.json beside it records the converter version and the shims."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     version = installed_version()
     out = gguf_path(model_dir, out_dir, outtype)
@@ -324,37 +259,21 @@ def convert(
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise RuntimeError(f"convert_hf_to_gguf.py failed ({proc.returncode}):\n{tail}")
     tmp_out.replace(out)
-    out.with_suffix(".json").write_text(
-        json.dumps(
-            {
-                "model_dir": str(model_dir.resolve()),
-                "outtype": outtype,
-                "llama_cpp_python": version,
-                "converter": str(converter),
-                "config_changes": changes,
-                "pre_tokenizer_fallback": pre,
-                "pre_tokenizer_fallback_used": "xllm_py shim: unrecognised" in proc.stderr,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
+    used = "xllm_py shim: unrecognised" in proc.stderr
+    stamp = {"model_dir": str(model_dir.resolve()), "outtype": outtype,
+             "llama_cpp_python": version, "converter": str(converter),
+             "config_changes": changes, "pre_tokenizer_fallback": pre,
+             "pre_tokenizer_fallback_used": used}  # fmt: skip
+    out.with_suffix(".json").write_text(json.dumps(stamp, indent=1) + "\n")
     return out
-
-
-# ---- the server ---------------------------------------------------------------------------------
 
 
 def server_command(
     gguf: Path, port: int, n_ctx: int, threads: int, python: str | None = None
 ) -> list[str]:
-    """llama-cpp-python's OpenAI-compatible server for `gguf` on 127.0.0.1:`port`.
-
-    n_ctx: tokens per sequence (prompt + output; one sequence at a time). threads: for
-    decode and for prompt batches. Sampling defaults stay the server's: send
-    `extra_request_body()` with every request. The model id in /v1/models is the file's
-    stem. interrupt_requests off: see the module docstring. logits_all off: the server
-    would otherwise compute logits at every prompt position (only logprobs need them)."""
+    """llama_cpp.server for `gguf` on 127.0.0.1:`port`, n_ctx tokens per sequence, model id
+    the file's stem. interrupt_requests off: else a new request ends the streaming one with
+    [DONE]; logits_all off: else it computes logits at every prompt position."""
     return [
         python or sys.executable, "-m", "llama_cpp.server",
         "--model", str(gguf),
@@ -370,19 +289,15 @@ def server_command(
 
 
 def server_threads(cpus: int | None = None) -> int:
-    """llama.cpp threads for a machine it shares with a load generator or other work: all
-    cores but one. ggml's threads spin while they wait for each other, so using every core
-    backfires as soon as anything else runs. On 2 cores: served with bench_serving on the
-    same machine, 8-9 ms per output token with 2 threads against 3.3 ms with 1; in-process
-    with another busy process, 1-27 tok/s with 2 threads against 580 with 1."""
+    """All cores but one: ggml's threads spin, so every core backfires once anything else
+    runs (2 cores, beside bench_serving: 8-9 ms per token with 2 threads, 3.3 ms with 1)."""
     cpus = cpus or os.cpu_count() or 1
     return max(1, cpus - 1)
 
 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment to start `server_command` in: `base` (default os.environ) without
-    the variables llama_cpp.server would take over its flags (HOST and PORT override
-    --host/--port in its __main__, CONFIG_FILE replaces every flag, API_KEY demands a key)."""
+    """`base` (default os.environ) without what llama_cpp.server reads over its flags (HOST,
+    PORT, CONFIG_FILE) or what makes it demand a key (API_KEY)."""
     env = dict(os.environ if base is None else base)
     for name in list(env):
         if name.upper() in SERVER_ENV_DROP:
@@ -408,39 +323,25 @@ def eos_token_id(model_dir: Path | None = None) -> int:
 
 
 def extra_request_body(model_dir: Path | None = None, ignore_eos: bool = True) -> dict[str, Any]:
-    """Fields to add to every /v1/completions request sent to llama_cpp.server.
-
-    repeat_penalty 1.0: the server's default is 1.1 and llama-cpp-python applies the
-    penalty before its greedy pick, so without it temperature 0 is not greedy decoding.
-    logit_bias {eos: -1e9} (with ignore_eos): the server ignores `ignore_eos`; this keeps
-    the EOS token from ever being picked so every request runs to max_tokens. (The server
-    also has `min_tokens`, but it would need each request's own length.)"""
+    """Fields for every request to llama_cpp.server: repeat_penalty 1.0 (its default 1.1
+    applies before the greedy pick), and with ignore_eos (which it ignores) a logit_bias
+    that never lets EOS be picked, so every request runs to max_tokens."""
     body: dict[str, Any] = {"repeat_penalty": 1.0}
     if ignore_eos:
         body["logit_bias"] = {str(eos_token_id(model_dir)): -1e9}
     return body
 
 
-# ---- greedy agreement ---------------------------------------------------------------------------
-
-
 def sharegpt_prompts(n: int, model_dir: Path | None = None) -> list[str]:
-    """n held-out ShareGPT first user turns (20-600 characters, never trained on), in the
-    checkpoint's chat template, as tests/test_bundled_model.py uses them."""
+    """n held-out ShareGPT turns (20-600 characters) in the checkpoint's chat template."""
     from xllm_py.assets import bundled_model
     from xllm_py.engine.tokenizer import Tokenizer
-    from xllm_py.sharegpt import held_out_user_turns
 
-    tok = Tokenizer.from_dir(model_dir or bundled_model())
-    return [
-        tok.apply_chat_template([{"role": "user", "content": t}])
-        for t in held_out_user_turns(n, 20, 600)
-    ]
+    return chat_prompts(Tokenizer.from_dir(model_dir or bundled_model()), n, 20, 600)
 
 
 def compare_tokens(ours: list[int], theirs: list[int]) -> dict[str, Any]:
-    """Matching prefix length and fraction of positions with the same token (over the
-    longer of the two sequences)."""
+    """Matching prefix and fraction of positions with the same token (of the longer)."""
     prefix = 0
     for a, b in zip(ours, theirs):
         if a != b:
@@ -449,10 +350,9 @@ def compare_tokens(ours: list[int], theirs: list[int]) -> dict[str, Any]:
     n = max(len(ours), len(theirs))
     same = sum(a == b for a, b in zip(ours, theirs))
     return {
-        "matching_prefix": prefix,
-        "identical_fraction": same / n if n else 1.0,
+        "matching_prefix": prefix, "identical_fraction": same / n if n else 1.0,
         "identical": ours == theirs,
-    }
+    }  # fmt: skip
 
 
 def _log_softmax(x):
@@ -497,18 +397,11 @@ def greedy_agreement(
     threads: int | None = None,
     max_cache_size: int = 64 << 20,
 ) -> dict[str, Any]:
-    """Greedy continuations (EOS ignored, `max_tokens` each) of `prompts` by llama.cpp on
-    `gguf` (in-process) and by our engine on `model_dir`, from the same prompt token ids
-    (our tokenizer's, special tokens included), compared token by token.
-
-    Per prompt: matching_prefix (tokens until the first difference), identical_fraction
-    (positions with the same token / max_tokens), and at the first difference both
-    engines' log-probability margin between the two tokens (a near-tie there means a
-    rounding-level difference flipped the pick). Also whether llama.cpp tokenizes the
-    prompt text itself to the same ids (the server path, which gets text). Overall: the
-    mean identical fraction, the fraction of prompts fully identical, total matched
-    prefix / total tokens, and both engines' single-stream decode tokens/s. threads:
-    llama.cpp's (default `server_threads()`)."""
+    """Greedy continuations (EOS ignored) of `prompts` by llama.cpp on `gguf` (in-process)
+    and by our engine on `model_dir` from the same token ids, compared: per prompt the
+    matching prefix, identical fraction, both engines' logprob margins at the first
+    difference (a near-tie: rounding flipped it) and whether llama.cpp tokenizes the text
+    to the same ids; overall means and both engines' single-stream tokens/s."""
     import llama_cpp
     import numpy as np
 
@@ -554,13 +447,9 @@ def greedy_agreement(
             bound = b not in ours_lp
             ours_margin = ours_lp[a] - (min(ours_lp.values()) if bound else ours_lp[b])
             row["first_difference"] = {
-                "position": k,
-                "ours": a,
-                "llama_cpp": b,
-                "ours_margin": float(ours_margin),
-                "ours_margin_is_lower_bound": bound,
-                "llama_cpp_margin": float(lp[b] - lp[a]),
-            }
+                "position": k, "ours": a, "llama_cpp": b, "ours_margin": float(ours_margin),
+                "ours_margin_is_lower_bound": bound, "llama_cpp_margin": float(lp[b] - lp[a]),
+            }  # fmt: skip
         row["ours_text"] = tok.decode(res.token_ids)
         row["llama_cpp_text"] = tok.decode(theirs)
         rows.append(row)
@@ -584,91 +473,51 @@ def greedy_agreement(
     }
 
 
-# ---- serving check ------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def running_server(gguf: Path, port: int, n_ctx: int, threads: int, log: Path, timeout=300):
-    """server_command running until the block ends; yields its base URL once READY_PATH
-    answers 200."""
-    server = Daemon(server_command(gguf, port, n_ctx, threads), port, log, READY_PATH,
-                    server_env(), group=True, startup_timeout=timeout)  # fmt: skip
-    try:
-        yield server.url
-    finally:
-        server.stop(timeout=30)
-
-
-# ---- command line -------------------------------------------------------------------------------
+FLAGS = [  # (flag, type, default, help)
+    ("--model-dir", Path, None, "checkpoint (None: the bundled model)"),
+    ("--out-dir", Path, CACHE_DIR / "gguf", "GGUF cache"),
+    ("--num-prompts", int, 8, "held-out prompts"),
+    ("--max-tokens", int, 128, "greedy tokens per prompt"),
+    ("--threads", int, server_threads(), "llama.cpp's threads"),
+    ("--output", Path, RESULTS / "llama_cpp_peer.json", "result JSON"),
+]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Convert a checkpoint to GGUF and measure its greedy agreement with our engine."""
     from xllm_py.assets import bundled_model
 
-    ap = argparse.ArgumentParser(
-        description="Convert a DeepSeek-V3 checkpoint to GGUF for llama.cpp and measure its "
-        "greedy agreement with our engine on held-out ShareGPT prompts.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    ap.add_argument("--model-dir", type=Path, default=Path(bundled_model()))
-    ap.add_argument("--out-dir", type=Path, default=CACHE_DIR / "gguf", help="GGUF cache")
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument(
-        "--threads", type=int, default=server_threads(), help="llama.cpp's, in-process and served"
-    )
-    ap.add_argument("--output", type=Path, default=RESULT, help="result JSON")
-    args = ap.parse_args(argv)
-
-    load_at_start = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    gguf = convert(args.model_dir, args.out_dir)
+    args = parser(__doc__, FLAGS).parse_args(argv)
+    model_dir = args.model_dir or Path(bundled_model())
+    load_at_start = os.getloadavg()[0]  # ggml's spinning threads need an idle machine
+    gguf = convert(model_dir, args.out_dir)
     stamp = json.loads(gguf.with_suffix(".json").read_text())
-    print(f"GGUF: {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f} s)")
-    prompts = sharegpt_prompts(args.num_prompts, args.model_dir)
-    agree = greedy_agreement(gguf, args.model_dir, prompts, args.max_tokens, args.threads)
-    print(f"Greedy agreement over {agree['num_prompts']} prompts x {args.max_tokens} tokens:")
+    print(f"GGUF: {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB)")
+    prompts = sharegpt_prompts(args.num_prompts, model_dir)
+    agree = greedy_agreement(gguf, model_dir, prompts, args.max_tokens, args.threads)
     for i, r in enumerate(agree["per_prompt"]):
-        diff = r.get("first_difference")
-        note = ""
-        if diff:
-            ge = ">=" if diff["ours_margin_is_lower_bound"] else ""
+        d, note = r.get("first_difference"), ""
+        if d:
+            ge = ">=" if d["ours_margin_is_lower_bound"] else ""
             note = (
-                f"; first difference at {diff['position']}: logprob margin ours "
-                f"{ge}{diff['ours_margin']:.3g}, llama.cpp {diff['llama_cpp_margin']:.3g}"
+                f"; first difference at {d['position']}: logprob margin ours "
+                f"{ge}{d['ours_margin']:.3g}, llama.cpp {d['llama_cpp_margin']:.3g}"
             )
-        print(
-            f"  prompt {i}: {r['prompt_tokens']:4d} prompt tokens, matching prefix "
-            f"{r['matching_prefix']:3d}, identical {100 * r['identical_fraction']:5.1f}%{note}"
-        )
-    print(
-        f"mean identical tokens {100 * agree['mean_identical_fraction']:.1f}%, prompts fully "
-        f"identical {100 * agree['prompts_identical']:.0f}%, prefix agreement "
-        f"{100 * agree['prefix_agreement']:.1f}%, prompt text tokenized the same by llama.cpp "
-        f"{100 * agree['prompts_tokenized_same']:.0f}%; largest |logprob difference| of an "
-        f"agreed token {agree['max_chosen_logprob_diff']:.2g}"
-    )
-    print(
-        f"single stream: llama.cpp decode {agree['llama_cpp_decode_tok_s']:.0f} tok/s "
-        f"({args.threads} threads), ours {agree['ours_tok_s_incl_prefill']:.0f} tok/s incl. "
-        "prefill"
-    )
-    result: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": " ".join(
-            ["python", "-m", "perf.llama_cpp_peer", *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        # timings are only meaningful on an otherwise idle machine: ggml's spinning threads
-        # slow down many-fold when another process holds a core
-        "loadavg_1min_at_start": load_at_start,
-        "gguf": {**stamp, "file": gguf.name, "bytes": gguf.stat().st_size},
-        "agreement": agree,
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"Wrote {args.output}")
+        print(f"  prompt {i}: {r['prompt_tokens']:4d} prompt tokens, matching prefix "
+              f"{r['matching_prefix']:3d}, identical {100 * r['identical_fraction']:5.1f}%"
+              + note)  # fmt: skip
+    print(f"mean identical tokens {100 * agree['mean_identical_fraction']:.1f}%, prompts "
+          f"identical {100 * agree['prompts_identical']:.0f}%, prefix agreement "
+          f"{100 * agree['prefix_agreement']:.1f}%, prompts tokenized the same "
+          f"{100 * agree['prompts_tokenized_same']:.0f}%; single stream: llama.cpp decode "
+          f"{agree['llama_cpp_decode_tok_s']:.0f} tok/s, ours "
+          f"{agree['ours_tok_s_incl_prefill']:.0f} tok/s incl. prefill")  # fmt: skip
+    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": command("llama_cpp_peer", argv), "machine": machine(),
+              "loadavg_1min_at_start": load_at_start,
+              "gguf": {**stamp, "file": gguf.name, "bytes": gguf.stat().st_size},
+              "agreement": agree}  # fmt: skip
+    write_json(args.output, result)
     return result
 
 

@@ -1,97 +1,46 @@
-#!/usr/bin/env python3
-"""Baseline vs MTP serving sweep, in one command: the table, a plot and all raw JSON.
+"""Baseline vs MTP serving sweep in one command: the table, a plot and all raw JSON.
 
-    python -m perf.mtp_sweep --scale cpu                       # bundled model, this machine
+    python -m perf.mtp_sweep --scale cpu --k 1 2 --hf-peer
     python -m perf.mtp_sweep --scale full --model /models/DeepSeek-V3 \\
         --server-args "--devices=cuda:0 --draft_model /models/DeepSeek-V3-MTP"
 
-For each method (baseline = no drafts, then MTP with each k of --k) it starts our
-daemon, runs perf/bench_serving.py at every concurrency of --concurrency on the
-same ShareGPT prompts with the same lengths and settings, and stops the daemon.
-`--launch` replaces our daemon with any command (vLLM, SGLang, a cluster script):
-it is run with {port} and {k} substituted and must serve /health; a launcher that
-returns once its servers run (scripts/launch_cluster.sh) needs `--launch-stop`.
-
-Presets (--scale):
-    full  input 2500 / output 1500 tokens, 80 requests per level (the reference table)
-    cpu   input 256 / output 128 tokens, max(24, 2 x concurrency) requests per level
-          (finishes on 2 CPU cores in well under 30 minutes)
-
-Writes into --result-dir: results.md (one row per method and concurrency, baseline
-and MTP interleaved: mean TPOT, mean TTFT, output and total tokens/s, speedup over
-the baseline at that concurrency, mean acceptance length, and the ceiling: the batch-1
-bandwidth bound on the speedup at the row's k and acceptance length, from
-perf/step_cost.py), sweep.png (output
-tokens/s and TPOT against concurrency), sweep.json (everything, with the command
-and the machine) and raw/ (one bench_serving JSON per run). With --hf-peer, the
-same prompts also go through HF transformers `generate` one at a time (offline,
-concurrency 1) as a peer figure.
+For each method (baseline, MTP with each --k, --adaptive, --peer) it starts the server,
+warms it up, runs perf/bench_serving.py at every --concurrency on the same ShareGPT
+prompts and settings, and stops it. --launch replaces our daemon with any command ({port}
+and {k} substituted; it must serve /health; one that returns needs --launch-stop).
+Scales: full = 2500 in / 1500 out, 80 requests per level; cpu = 256 / 128,
+max(24, 2 x concurrency). Writes to --result-dir results.md (per method and concurrency:
+TPOT, TTFT, tokens/s, speedup over the baseline, acceptance length, the batch-1 ceiling of
+perf/step_cost.py), sweep.png, sweep.json and raw/ (each bench_serving JSON).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shlex
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from perf import bench_serving, step_cost
-from perf.daemon import ROOT, Daemon, flag_value, machine, warm_up
+from perf.common import RESULTS, command, machine, md_table, parser
+from perf.daemon import Daemon, flag_value, warm_up
 from xllm_py.assets import bundled_model
 
 PRESETS = {
     "full": {"input_len": 2500, "output_len": 1500, "prompts": lambda c: 80},
     "cpu": {"input_len": 256, "output_len": 128, "prompts": lambda c: max(24, 2 * c)},
-}
-DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16, 20, 40, 80]
-STARTUP_TIMEOUT_S = 600
-
-
-def server_command(args, k: int, port: int, adaptive: bool = False) -> list[str]:
-    if args.launch:
-        return shlex.split(args.launch.format(port=port, k=k))
-    cmd = [sys.executable, "-m", "xllm_py", "--port", str(port), f"--num_speculative_tokens={k}"]
-    if adaptive:
-        cmd.append("--speculative_adaptive=true")
-    if args.model:
-        cmd += ["--model", args.model]
-    return cmd + shlex.split(args.server_args)
-
-
-def bench_argv(
-    args, base_url: str, concurrency: int, raw: Path, name: str, extra_body: dict | None = None
-) -> list[str]:
-    p = PRESETS[args.scale]
-    argv = [
-        "--base-url", base_url,
-        "--dataset-name", "sharegpt",
-        "--num-prompts", str(args.num_prompts or p["prompts"](concurrency)),
-        "--max-concurrency", str(concurrency),
-        "--input-len", str(args.input_len or p["input_len"]),
-        "--output-len", str(args.output_len or p["output_len"]),
-        "--ignore-eos",
-        "--temperature", "0",
-        "--seed", str(args.seed),
-        "--save-result",
-        "--result-dir", str(raw),
-        "--result-filename", f"{name}.json",
-        "--disable-tqdm",
-    ]  # fmt: skip
-    if args.model:
-        argv += ["--tokenizer", args.model]
-    if extra_body:
-        argv += ["--extra-body", json.dumps(extra_body)]
-    return argv
+}  # fmt: skip
+ROW_KEYS = ("mean_tpot_ms", "mean_ttft_ms", "output_throughput", "total_token_throughput",
+            "failed", "completed", "spec_decode_acceptance_length",
+            "spec_decode_acceptance_rate")  # fmt: skip
 
 
 @dataclass
 class Method:
-    """One row group of the table: a server started by `cmd`, polled at `ready_path`, and
-    fields every request to it carries (`extra_body`)."""
+    """One row group: a server started by `cmd`, ready once `ready_path` answers, and the
+    fields every request to it carries."""
 
     name: str
     tag: str  # file names: server_{tag}.log, raw/{tag}_c{concurrency}.json
@@ -101,10 +50,36 @@ class Method:
     extra_body: dict | None = None
 
 
-def llama_cpp_method(args, input_len: int, output_len: int) -> tuple[Method, dict]:
-    """llama.cpp's OpenAI server (llama-cpp-python) on the same model, converted to GGUF
-    with llama.cpp's converter (perf/llama_cpp_peer.py); and the greedy agreement of its
-    tokens with ours on held-out prompts."""
+def server_command(args, k: int, adaptive: bool = False) -> list[str]:
+    if args.launch:
+        return shlex.split(args.launch.format(port=args.port, k=k))
+    cmd = [
+        sys.executable, "-m", "xllm_py", "--port", str(args.port), f"--num_speculative_tokens={k}",
+    ]  # fmt: skip
+    cmd += ["--speculative_adaptive=true"] * adaptive
+    return cmd + ["--model", args.model] * bool(args.model) + shlex.split(args.server_args)
+
+
+def lengths(args) -> tuple[int, int]:
+    p = PRESETS[args.scale]
+    return args.input_len or p["input_len"], args.output_len or p["output_len"]
+
+
+def bench_argv(args, url: str, concurrency: int, raw: Path, name: str, extra=None) -> list[str]:
+    input_len, output_len = lengths(args)
+    n = args.num_prompts or PRESETS[args.scale]["prompts"](concurrency)
+    argv = ["--base-url", url, "--num-prompts", str(n), "--max-concurrency", str(concurrency),
+            "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos",
+            "--temperature", "0", "--seed", str(args.seed), "--save-result",
+            "--result-dir", str(raw), "--result-filename", f"{name}.json",
+            "--disable-tqdm"]  # fmt: skip
+    argv += ["--tokenizer", args.model] if args.model else []
+    return argv + (["--extra-body", json.dumps(extra)] if extra else [])
+
+
+def llama_cpp_method(args) -> tuple[Method, dict]:
+    """llama.cpp's OpenAI server on the same model as GGUF (perf/llama_cpp_peer.py), and the
+    greedy agreement of its tokens with ours on held-out prompts."""
     from perf import llama_cpp_peer as peer
 
     model = Path(args.model or bundled_model())
@@ -112,15 +87,9 @@ def llama_cpp_method(args, input_len: int, output_len: int) -> tuple[Method, dic
     print(f"== llama.cpp: {gguf.name}; greedy agreement on {args.peer_prompts} prompts", flush=True)
     prompts = peer.sharegpt_prompts(args.peer_prompts, model)
     agreement = peer.greedy_agreement(gguf, model, prompts, args.peer_tokens)
-    cmd = peer.server_command(gguf, args.port, input_len + output_len + 64, peer.server_threads())
-    method = Method(
-        "llama.cpp (no MTP)",
-        "llama_cpp",
-        cmd,
-        ready_path=peer.READY_PATH,
-        env=peer.server_env(),
-        extra_body=peer.extra_request_body(model),
-    )
+    cmd = peer.server_command(gguf, args.port, sum(lengths(args)) + 64, peer.server_threads())
+    method = Method("llama.cpp (no MTP)", "llama_cpp", cmd, peer.READY_PATH, peer.server_env(),
+                    peer.extra_request_body(model))  # fmt: skip
     return method, {"gguf": str(gguf), "agreement": agreement}
 
 
@@ -129,54 +98,33 @@ def hf_peer(args, n: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from xllm_py.assets import bundled_model
+    from perf.bench_offline import hf_seconds
 
+    argv = bench_argv(args, "http://unused", 1, Path("/tmp"), "peer")
+    prompts = bench_serving.sample_prompts(argv)[:n]
     path = args.model or str(bundled_model())
-    p = PRESETS[args.scale]
-    prompts = bench_serving.sample_prompts(
-        bench_argv(args, "http://unused", 1, Path("/tmp"), "peer")
-    )[:n]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    out_len = args.output_len or p["output_len"]
-    tokens = seconds = 0.0
-    ttfts = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            t0 = time.perf_counter()
-            model.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-            ttfts.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            model.generate(x, max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False)
-            seconds += time.perf_counter() - t0
-            tokens += out_len
+    out_len = lengths(args)[1]
+    times = [hf_seconds(model, torch.tensor([ids]), out_len) for ids in prompts]
+    tokens, seconds, ttfts = out_len * len(prompts), sum(t for _, t in times), [f for f, _ in times]
     mean_ttft = sum(ttfts) / len(ttfts)
     return {
-        "method": "HF transformers generate (offline, concurrency 1)",
-        "num_prompts": len(prompts),
-        "output_throughput": tokens / seconds,
-        "mean_ttft_ms": 1000 * mean_ttft,
+        "method": "HF transformers generate (offline, concurrency 1)", "num_prompts": len(prompts),
+        "output_throughput": tokens / seconds, "mean_ttft_ms": 1000 * mean_ttft,
         "mean_tpot_ms": 1000 * (seconds / len(prompts) - mean_ttft) / (out_len - 1),
-    }
+    }  # fmt: skip
 
 
 def table(rows: list[dict], peer: dict | None) -> str:
-    head = (
-        "| method | concurrency | mean TPOT (ms) | mean TTFT (ms) | output tok/s | "
-        "total tok/s | speedup | acceptance length | ceiling | failed |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
-    )
-    lines = []
-    for r in rows:
-        acc, ceil = r.get("spec_decode_acceptance_length"), r.get("ceiling")
-        lines.append(
-            f"| {r['method']} | {r['concurrency']} | {r['mean_tpot_ms']:.1f} | "
-            f"{r['mean_ttft_ms']:.1f} | {r['output_throughput']:.1f} | "
-            f"{r['total_token_throughput']:.1f} | {r['speedup']:.2f}x | "
-            f"{'' if acc is None else f'{acc:.2f}'} | {'' if ceil is None else f'{ceil:.2f}x'} | "
-            f"{r['failed']} |"
-        )
-    out = head + "\n".join(lines) + "\n"
+    head = ["method", "concurrency", "mean TPOT (ms)", "mean TTFT (ms)", "output tok/s",
+            "total tok/s", "speedup", "acceptance length", "ceiling", "failed"]  # fmt: skip
+    acc, ceil = "spec_decode_acceptance_length", "ceiling"
+    out = md_table(head, [
+        [r["method"], r["concurrency"], f"{r['mean_tpot_ms']:.1f}", f"{r['mean_ttft_ms']:.1f}",
+         f"{r['output_throughput']:.1f}", f"{r['total_token_throughput']:.1f}",
+         f"{r['speedup']:.2f}x", "" if r[acc] is None else f"{r[acc]:.2f}",
+         "" if r[ceil] is None else f"{r[ceil]:.2f}x", r["failed"]]
+        for r in rows]) + "\n"  # fmt: skip
     if peer:
         out += (
             f"\nPeer: {peer['method']} on the first {peer['num_prompts']} prompts: "
@@ -253,158 +201,94 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+FLAGS = [  # (flag, type, default, help)
+    ("--scale", ("cpu", "full"), "cpu", "length and request-count preset"),
+    ("--model", str, None, "checkpoint directory (None: the bundled model)"),
+    ("--k", int, [1], "MTP draft counts to sweep"),
+    ("--concurrency", int, [1, 2, 4, 8, 16, 20, 40, 80], "concurrency levels"),
+    ("--num-prompts", int, 0, "requests per level (0: the preset's)"),
+    ("--input-len", int, 0, "prompt tokens (0: the preset's)"),
+    ("--output-len", int, 0, "output tokens (0: the preset's)"),
+    ("--seed", int, 0, "prompt sampling seed"),
+    ("--port", int, 8711, "port of the server"),
+    ("--server-args", str, "", "more flags for our daemon, one quoted string"),
+    ("--launch", str, None, "command starting another server instead ({port}, {k})"),
+    ("--launch-stop", str, None, "with --launch: command stopping what it started, for "
+     "launchers that return (e.g. 'scripts/launch_cluster.sh stop')"),
+    ("--adaptive", bool, False, "also run MTP with --speculative_adaptive (k <= largest --k)"),
+    ("--no-ceiling", bool, False, "leave out the ceiling column"),
+    ("--ceiling-routing", Path, None, "a perf/step_cost.py JSON of this model whose routing "
+     "the ceiling uses (None: measured here, loading the model in this process)"),
+    ("--ceiling-prompts", int, 4, "held-out prompts to measure routing on"),
+    ("--peer", ("llama.cpp",), None, "also serve the model with llama.cpp's OpenAI server "
+     "(pip install -e .[llamacpp]) and benchmark it the same way, with its greedy agreement"),
+    ("--peer-prompts", int, 8, "prompts for the agreement"),
+    ("--peer-tokens", int, 32, "greedy tokens per prompt for the agreement"),
+    ("--hf-peer", bool, False, "also time HF transformers generate, offline, one at a time"),
+    ("--hf-peer-prompts", int, 8, "prompts for the HF peer figure"),
+    ("--result-dir", Path, RESULTS / "mtp_sweep", "output folder"),
+]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--scale", choices=sorted(PRESETS), default="cpu", help="length/count preset")
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: bundled)")
-    ap.add_argument("--k", type=int, nargs="+", default=[1], help="MTP draft counts to sweep")
-    ap.add_argument(
-        "--concurrency", type=int, nargs="+", default=DEFAULT_CONCURRENCY, help="levels"
-    )
-    ap.add_argument("--num-prompts", type=int, default=0, help="override the preset's count")
-    ap.add_argument("--input-len", type=int, default=0, help="override the preset's input")
-    ap.add_argument("--output-len", type=int, default=0, help="override the preset's output")
-    ap.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
-    ap.add_argument("--port", type=int, default=8711, help="port for the daemon")
-    ap.add_argument(
-        "--server-args", default="", help="extra flags for our daemon (one quoted string)"
-    )
-    ap.add_argument(
-        "--launch",
-        default=None,
-        help="command that starts another server instead, with {port} and {k} placeholders",
-    )
-    ap.add_argument(
-        "--launch-stop",
-        default=None,
-        help="with --launch: command that stops what it started (for launchers that return, "
-        "e.g. 'scripts/launch_cluster.sh stop')",
-    )
-    ap.add_argument(
-        "--adaptive",
-        action="store_true",
-        help="also run MTP with --speculative_adaptive (k chosen per step, up to the largest --k)",
-    )
-    ap.add_argument("--no-ceiling", action="store_true", help="leave out the ceiling column")
-    ap.add_argument(
-        "--ceiling-routing",
-        type=Path,
-        default=None,
-        help="a perf/step_cost.py JSON of this model whose routing statistics the ceiling "
-        "uses (default: measured here, which loads the model in this process)",
-    )
-    ap.add_argument(
-        "--ceiling-prompts", type=int, default=4, help="held-out prompts to measure routing on"
-    )
-    ap.add_argument(
-        "--peer",
-        choices=["llama.cpp"],
-        default=None,
-        help="also serve the model with another engine and benchmark it the same way: "
-        "llama.cpp's OpenAI server (pip install -e .[llamacpp]; perf/llama_cpp_peer.py), "
-        "with its greedy agreement with ours on --peer-prompts held-out prompts",
-    )
-    ap.add_argument("--peer-prompts", type=int, default=8, help="prompts for the agreement")
-    ap.add_argument("--peer-tokens", type=int, default=32, help="greedy tokens per prompt")
-    ap.add_argument("--hf-peer", action="store_true", help="also time HF transformers generate")
-    ap.add_argument("--hf-peer-prompts", type=int, default=8, help="prompts for the HF peer figure")
-    ap.add_argument(
-        "--result-dir", type=Path, default=ROOT / "perf/results/mtp_sweep", help="output folder"
-    )
-    args = ap.parse_args(argv)
-    given = argv if argv is not None else sys.argv[1:]  # before anything can change sys.argv
+    args = parser(__doc__, FLAGS).parse_args(argv)
     if args.adaptive and args.launch:
-        ap.error("--adaptive runs our daemon with --speculative_adaptive; not with --launch")
+        sys.exit("--adaptive runs our daemon with --speculative_adaptive; not with --launch")
     raw = args.result_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    p = PRESETS[args.scale]
-    input_len, output_len = args.input_len or p["input_len"], args.output_len or p["output_len"]
-    methods = [Method("baseline", "k0", server_command(args, 0, args.port))]
-    methods += [Method(f"MTP k={k}", f"k{k}", server_command(args, k, args.port)) for k in args.k]
+    input_len, output_len = lengths(args)
+    methods = [Method("baseline", "k0", server_command(args, 0))]
+    methods += [Method(f"MTP k={k}", f"k{k}", server_command(args, k)) for k in args.k]
     if args.adaptive:
-        top = max(args.k)
-        cmd = server_command(args, top, args.port, adaptive=True)
-        methods.append(Method(f"MTP adaptive k<={top}", "adaptive", cmd))
+        cmd = server_command(args, max(args.k), adaptive=True)
+        methods.append(Method(f"MTP adaptive k<={max(args.k)}", "adaptive", cmd))
     peer_engine = None
     if args.peer == "llama.cpp":
-        method, peer_engine = llama_cpp_method(args, input_len, output_len)
+        method, peer_engine = llama_cpp_method(args)
         methods.append(method)
     stop = shlex.split(args.launch_stop) if args.launch and args.launch_stop else None
     results: dict[str, dict[int, dict]] = {}
     for m in methods:
         print(f"== {m.name}: starting the server", flush=True)
         ours = m.ready_path == "/health"  # --launch-stop is for our launcher's servers
-        log = args.result_dir / f"server_{m.tag}.log"
-        daemon = Daemon(m.cmd, args.port, log, m.ready_path, m.env, stop if ours else None,
-                        group=True, startup_timeout=STARTUP_TIMEOUT_S)  # fmt: skip
+        daemon = Daemon(m.cmd, args.port, args.result_dir / f"server_{m.tag}.log", m.ready_path,
+                        m.env, stop if ours else None, group=True)  # fmt: skip
         try:
             warm_up(daemon.url, m.extra_body)
             for c in args.concurrency:
-                argv = bench_argv(args, daemon.url, c, raw, f"{m.tag}_c{c}", m.extra_body)
-                res = bench_serving.run(argv)
-                name = m.name
-                results.setdefault(name, {})[c] = res
-                print(
-                    f"   concurrency {c:>3}: {res['output_throughput']:8.1f} output tok/s, "
-                    f"TPOT {res['mean_tpot_ms']:7.1f} ms, TTFT {res['mean_ttft_ms']:7.1f} ms, "
-                    f"failed {res['failed']}",
-                    flush=True,
-                )
+                argv_c = bench_argv(args, daemon.url, c, raw, f"{m.tag}_c{c}", m.extra_body)
+                res = results.setdefault(m.name, {})[c] = bench_serving.run(argv_c)
+                print(f"   concurrency {c:>3}: {res['output_throughput']:8.1f} output tok/s, "
+                      f"TPOT {res['mean_tpot_ms']:7.1f} ms, TTFT {res['mean_ttft_ms']:7.1f} ms, "
+                      f"failed {res['failed']}", flush=True)  # fmt: skip
         finally:
             daemon.stop()
     rows = []
     for c in args.concurrency:
-        base = results["baseline"][c]["output_throughput"]
+        base = results["baseline"][c]
         for m in methods:
-            name, r = m.name, results[m.name][c]
-            rows.append(
-                {
-                    "method": name,
-                    "concurrency": c,
-                    "speedup": r["output_throughput"] / base,
-                    "ttft_ratio": r["mean_ttft_ms"] / results["baseline"][c]["mean_ttft_ms"],
-                    "ceiling": None,
-                    **{
-                        key: r.get(key)
-                        for key in (
-                            "mean_tpot_ms",
-                            "mean_ttft_ms",
-                            "output_throughput",
-                            "total_token_throughput",
-                            "failed",
-                            "completed",
-                            "spec_decode_acceptance_length",
-                            "spec_decode_acceptance_rate",
-                        )
-                    },
-                }
-            )
+            r = results[m.name][c]
+            rows.append({"method": m.name, "concurrency": c,
+                         "speedup": r["output_throughput"] / base["output_throughput"],
+                         "ttft_ratio": r["mean_ttft_ms"] / base["mean_ttft_ms"], "ceiling": None,
+                         **{key: r.get(key) for key in ROW_KEYS}})  # fmt: skip
     peer = hf_peer(args, args.hf_peer_prompts) if args.hf_peer else None
-    command = " ".join(["python", "-m", "perf.mtp_sweep", *given])
-    ceiling = add_ceiling(args, rows, input_len, output_len)
+    cmd = command("mtp_sweep", argv)
     summary = {
-        "command": command,
-        "scale": args.scale,
-        "input_len": input_len,
-        "output_len": output_len,
-        "machine": machine(),
-        "rows": rows,
-        "hf_peer": peer,
-        "peer_engine": peer_engine,
-        "ceiling": ceiling,
-    }
+        "command": cmd, "scale": args.scale, "input_len": input_len, "output_len": output_len,
+        "machine": machine(), "rows": rows, "hf_peer": peer, "peer_engine": peer_engine,
+        "ceiling": add_ceiling(args, rows, input_len, output_len),
+    }  # fmt: skip
     (args.result_dir / "sweep.json").write_text(json.dumps(summary, indent=2))
     md = (
-        f"# MTP sweep ({args.scale})\n\n`{command}`\n\n"
-        f"Machine: {json.dumps(summary['machine'])}\n\n"
-        f"ShareGPT prompts cut/extended to {summary['input_len']} input tokens, "
-        f"{summary['output_len']} output tokens (ignore_eos), greedy; the same prompts and "
-        "settings for every method. Speedup = output tok/s over the baseline at the same "
-        "concurrency, measured in this run. Ceiling = the batch-1 bandwidth bound on that "
-        "speedup at the row's k and acceptance length (perf/step_cost.py; perf/README.md "
-        "says how to read it).\n\n" + table(rows, peer) + peer_note(peer_engine)
+        f"# MTP sweep ({args.scale})\n\n`{cmd}`\n\nMachine: {json.dumps(summary['machine'])}\n\n"
+        f"ShareGPT prompts cut/extended to {input_len} input tokens, {output_len} output tokens "
+        "(ignore_eos), greedy; the same prompts and settings for every method. Speedup = "
+        "output tok/s over the baseline at the same concurrency, measured in this run. "
+        "Ceiling = the batch-1 bandwidth bound on that speedup at the row's k and acceptance "
+        "length (perf/step_cost.py; perf/README.md says how to read it).\n\n"
+        + table(rows, peer)
+        + peer_note(peer_engine)
     )
     (args.result_dir / "results.md").write_text(md)
     plot(rows, args.result_dir / "sweep.png")

@@ -1,57 +1,22 @@
 #!/usr/bin/env python3
 """Soak: thousands of mixed requests, aborts and KV pressure against one daemon, then checks.
 
-    python -m perf.soak                           # 2,000 requests at concurrency 64 (~6 min here)
+    python -m perf.soak                           # 2,000 requests at concurrency 64 (~7 min here)
     python -m perf.soak --requests 200 --result /tmp/soak.json
-    python -m perf.soak --server-args="--num_speculative_tokens=2 --block_size=16" \\
-        --max-cache-size 96
 
-It starts the daemon itself (`--model`, default the bundled model; `--server-args`, default
-MTP on with k = 1) with a KV cache of `--max-cache-size` blocks, small enough that running
-requests must be preempted, and sends `--requests` requests, `--concurrency` at a time.
-
-Workload (all drawn from `--seed`). Prompts are first user turns of the ShareGPT data set
-(perf/bench_serving.py's sampling: vLLM's length filters, prompts up to 1024 tokens). Each
-request picks at random: /v1/completions or /v1/chat/completions (the prompt as one user
-message), streamed (with `stream_options.include_usage`) or not, n = 1-3, max_tokens
-1..`--max-tokens` (chat: `max_tokens` or `max_completion_tokens`), temperature 0 or
-0.2-1.5, a seed or none, one or two stop strings, logprobs (completions: 0-3; chat: true
-with 0-3 top_logprobs) or none. `--abort-fraction` of them are abandoned by the client:
-half of the streamed ones after a random number of SSE events (0 = right after the
-headers), the rest by closing the connection a random 0-1.5 s after sending, mostly before
-any answer. An abandoned request that completed first is checked like any other.
-
-Checks (each is a row of the JSON's `checks`; any failure makes the exit status 1):
-- every request not abandoned answered 200 with every choice finished ("stop" or
-  "length"), no error event, and [DONE] at the end of a stream; no stop string in the
-  text; usage.prompt_tokens equal to the prompt's length under the model's tokenizer (chat:
-  the rendered chat template); total = prompt + completion. Completion tokens: with
-  logprobs, exactly the number of logprob entries (the tokens received), and a choice that
-  ended on "length" has exactly max_tokens; without, the bounds the finish reasons allow
-  (each "length" choice max_tokens, each "stop" choice 1..max_tokens);
-- `--probes` greedy requests (held-out ShareGPT prompts, both endpoints, streamed and
-  not, temperature 0, `--probe-tokens` tokens, logprobs on) return on the idle daemon
-  before the load, in each of `--probe-rounds` rounds sent while the load runs, and once
-  after it, the same text, tokens and finish reason;
-- the KV cache was too small: xllm:num_preemptions_total grew;
-- afterwards xllm:num_requests_running, xllm:num_requests_waiting and
-  xllm:kv_cache_usage_perc are back at 0 (within `--settle-timeout` s), no request ended
-  with finish reason "error", the daemon still answers /health and its log holds no
-  traceback;
-- resident memory (VmRSS of the daemon, every `--rss-interval` s): the growth from the
-  end of the warm-up (the first `--warmup-fraction` of requests finished) to the end of
-  the run, idle again, stays below `--max-rss-growth`. The peak after warm-up and the
-  least-squares slope per 1,000 requests are reported beside it.
-
-Output: a summary table, and JSON at `--result` (default perf/results/soak.json) with the
-settings, the command, the machine, counts, every failure with its reasons, the probe
-comparison, the gauges, the RSS series (summary and a thinned copy), server counters,
-preemptions and durations.
+It starts the daemon (MTP k = 1 by default) with a KV cache of --max-cache-size blocks, too
+small for the load, and sends ShareGPT prompts (bench_serving's sampling) with random
+endpoint, streaming, n, max_tokens, temperature, seed, stop strings and logprobs;
+--abort-fraction of them are abandoned mid-stream or before the answer. Checks (exit 1 on
+any failure; the JSON's `checks`): every other request finished ("stop"/"length") with
+usage counts that match the tokens received (or the bounds the finish reasons allow);
+greedy probes answer the same during and after the load as on the idle daemon; the cache
+preempted; the gauges return to 0; no "error" finishes, no tracebacks in the log; RSS grows
+less than --max-rss-growth from the end of the warm-up to the end.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -68,7 +33,8 @@ import httpx
 from tqdm import tqdm
 
 from perf.bench_serving import load_tokenizer, sample_sharegpt
-from perf.daemon import ROOT, Server, flag_value, machine
+from perf.common import RESULTS, command, machine, parser, print_block, settings, write_json
+from perf.daemon import Server, flag_value
 from xllm_py.assets import bundled_model
 from xllm_py.config import CacheConfig, DeviceConfig, ModelConfig
 from xllm_py.sharegpt import held_out_user_turns
@@ -77,9 +43,6 @@ STOP_POOL = (".", "\n", ",", "?", "!", ":", " the", " and", " is")
 FINISHED = ("stop", "length")
 MAX_FAILURES_KEPT = 100  # in the JSON; the count is always complete
 RSS_POINTS_KEPT = 200
-
-
-# ---- workload -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -92,31 +55,14 @@ class Spec:
     prompt_tokens: int  # the expected usage.prompt_tokens
     abort: tuple[str, float] | None = None  # ("events", k) | ("seconds", s) | None
 
-    @property
-    def url(self) -> str:
-        return "/v1/chat/completions" if self.chat else "/v1/completions"
-
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
-    @property
-    def n(self) -> int:
-        return self.body.get("n", 1)
-
-    @property
-    def max_tokens(self) -> int:
-        return self.body.get("max_tokens") or self.body["max_completion_tokens"]
-
-    @property
-    def logprobs(self) -> bool:
-        lp = self.body.get("logprobs")
-        return lp is True if self.chat else lp is not None
-
-    @property
-    def stops(self) -> list[str]:
-        stop = self.body.get("stop") or []
-        return [stop] if isinstance(stop, str) else stop
+    url = property(lambda s: "/v1/chat/completions" if s.chat else "/v1/completions")
+    stream = property(lambda s: bool(s.body.get("stream")))
+    n = property(lambda s: s.body.get("n", 1))
+    max_tokens = property(lambda s: s.body.get("max_tokens") or s.body["max_completion_tokens"])
+    logprobs = property(lambda s: (s.body.get("logprobs") is True) if s.chat
+                        else s.body.get("logprobs") is not None)  # fmt: skip
+    stops = property(lambda s: [s.body["stop"]] if isinstance(s.body.get("stop"), str)
+                     else s.body.get("stop") or [])  # fmt: skip
 
 
 def prompt_length(tokenizer, prompt: str, chat: bool) -> int:
@@ -188,9 +134,6 @@ def build_probes(args, tokenizer) -> list[Spec]:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
         probes.append(Spec(-1 - i, chat, body, prompt_length(tokenizer, prompt, chat)))
     return probes
-
-
-# ---- one request --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -308,9 +251,6 @@ async def send(client: httpx.AsyncClient, spec: Spec) -> Outcome:
     return out
 
 
-# ---- checks of one answer -----------------------------------------------------------------------
-
-
 def check_choice(spec: Spec, i: int, c: Choice) -> list[str]:
     bad = []
     if c.finish_reason not in FINISHED:
@@ -365,9 +305,6 @@ def check_answer(spec: Spec, out: Outcome) -> list[str]:
     return bad + check_usage(spec, out)
 
 
-# ---- probes -------------------------------------------------------------------------------------
-
-
 def probe_answer(out: Outcome) -> dict:
     """What must not change between runs of a greedy probe."""
     if out.status != "ok":
@@ -375,7 +312,7 @@ def probe_answer(out: Outcome) -> dict:
     return {
         "choices": [[c.text, c.tokens, c.finish_reason] for _, c in sorted(out.choices.items())],
         "usage": out.usage,
-    }
+    }  # fmt: skip
 
 
 async def probe_round(client: httpx.AsyncClient, probes: list[Spec], load: Progress) -> dict:
@@ -394,9 +331,6 @@ def compare_probes(idle: list[dict], rounds: list[dict]) -> dict:
     total = len(rounds) * len(idle)
     idle_ok = all("error" not in a for a in idle)
     return {"compared": total, "equal": total - len(diffs), "idle_ok": idle_ok, "diffs": diffs}
-
-
-# ---- the run ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -455,16 +389,8 @@ def rss_summary(samples: list[tuple[float, int, int]], warm_requests: int) -> di
         "peak_growth_after_warmup": (peak - warm[1]) / warm[1],
         # a leak grows in both halves of the run after warm-up; a high-water mark flattens
         "growth_second_half": (end - half[1]) / half[1],
-        "slope_mib_per_1000_requests": _slope([(s[2], s[1]) for s in after]) * 1000,
         "series": [[round(t, 1), round(m, 1), d] for t, m, d in _thin(mib, RSS_POINTS_KEPT)],
     }
-
-
-def _slope(points: list[tuple[float, float]]) -> float:
-    n = len(points)
-    mx, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
-    var = sum((p[0] - mx) ** 2 for p in points)
-    return sum((p[0] - mx) * (p[1] - my) for p in points) / var if var else 0.0
 
 
 def _thin(items: list, most: int) -> list:
@@ -507,9 +433,6 @@ async def run_load(client, specs: list[Spec], probes: list[Spec], args, pid: int
     probe_rounds = await probe_task
     bar.close()
     return {"outcomes": outcomes, "rounds": probe_rounds, "load_s": load_s, "rss": rss}
-
-
-# ---- the daemon ---------------------------------------------------------------------------------
 
 
 def cache_flag(blocks: int, model: str, flags: list[str]) -> list[str]:
@@ -563,14 +486,11 @@ def settle(server: Server, timeout: float) -> dict:
             "running": server.metric("xllm:num_requests_running"),
             "waiting": server.metric("xllm:num_requests_waiting"),
             "kv_cache_usage": server.metric("xllm:kv_cache_usage_perc"),
-        }
+        }  # fmt: skip
         waited = time.monotonic() - t0
         if not any(g.values()) or waited > timeout:
             return g | {"settled_after_s": round(waited, 2)}
         time.sleep(0.25)
-
-
-# ---- summary ------------------------------------------------------------------------------------
 
 
 def failures(specs: list[Spec], outcomes: list[Outcome]) -> list[dict]:
@@ -581,7 +501,7 @@ def failures(specs: list[Spec], outcomes: list[Outcome]) -> list[dict]:
             "body": {k: v for k, v in s.body.items() if k not in ("prompt", "messages")},
             "abort": s.abort,
             "reasons": o.errors,
-        }
+        }  # fmt: skip
         for s, o in zip(specs, outcomes)
         if o.status == "failed"
     ]
@@ -630,78 +550,52 @@ def checks(r: dict, args) -> list[dict]:
 
 
 def print_summary(r: dict) -> None:
-    c, rss = r["counts"], r["rss"]
-
-    def row(label: str, value) -> None:
-        print(f"{label:<44} {value}")
-
-    print("{:=^72}".format(" Soak result "))
-    row("Requests (concurrency):", f"{c['requests']} ({r['settings']['concurrency']})")
-    row("OK / aborted / failed:", f"{c['ok']} / {c['aborted']} / {c['failed']}")
-    row("Aborts planned / answered first:", f"{c['abort_planned']} / {c['abort_too_late']}")
-    row("Choices checked:", c["choices_checked"])
-    row("Preemptions:", f"{r['preemptions']:.0f} (KV cache {r['kv_blocks']} blocks)")
-    row("Probes equal to idle:", f"{r['probes']['equal']}/{r['probes']['compared']}")
-    g = r["gauges"]
-    row("Gauges after (running/waiting/KV):", f"{g['running']:.0f} / {g['waiting']:.0f} / "
-        f"{g['kv_cache_usage']:.3f}")  # fmt: skip
-    row("RSS MiB start / warm / peak / end:", f"{rss['start_mib']:.0f} / {rss['warm_mib']:.0f} / "
-        f"{rss['peak_after_warm_mib']:.0f} / {rss['end_mib']:.0f}")  # fmt: skip
-    row("RSS growth after warm-up (peak; 2nd half):", f"{100 * rss['growth_after_warmup']:+.1f}% "
-        f"({100 * rss['peak_growth_after_warmup']:+.1f}%; "
-        f"{100 * rss['growth_second_half']:+.1f}%)")  # fmt: skip
-    row("Duration load / total (s):", f"{r['load_s']:.0f} / {r['duration_s']:.0f}")
-    print("-" * 72)
-    for ch in r["checks"]:
-        print(f"{'PASS' if ch['ok'] else 'FAIL'}  {ch['check']:<24} {ch['detail']}")
+    c, rss, g = r["counts"], r["rss"], r["gauges"]
+    print_block("Soak result", [
+        ("Requests (concurrency):", f"{c['requests']} ({r['settings']['concurrency']})"),
+        ("OK / aborted / failed:", f"{c['ok']} / {c['aborted']} / {c['failed']}"),
+        ("Aborts planned / answered first:", f"{c['abort_planned']} / {c['abort_too_late']}"),
+        ("Choices checked:", c["choices_checked"]),
+        ("Preemptions:", f"{r['preemptions']:.0f} (KV cache {r['kv_blocks']} blocks)"),
+        ("Probes equal to idle:", f"{r['probes']['equal']}/{r['probes']['compared']}"),
+        ("Gauges after (running/waiting/KV):",
+         f"{g['running']:.0f} / {g['waiting']:.0f} / {g['kv_cache_usage']:.3f}"),
+        ("RSS MiB start / warm / peak / end:", f"{rss['start_mib']:.0f} / {rss['warm_mib']:.0f}"
+         f" / {rss['peak_after_warm_mib']:.0f} / {rss['end_mib']:.0f}"),
+        ("RSS growth after warm-up (peak; 2nd half):", f"{100 * rss['growth_after_warmup']:+.1f}"
+         f"% ({100 * rss['peak_growth_after_warmup']:+.1f}%; "
+         f"{100 * rss['growth_second_half']:+.1f}%)"),
+        ("Duration load / total (s):", f"{r['load_s']:.0f} / {r['duration_s']:.0f}"),
+        ("Checks",),
+        *((f"{'PASS' if ch['ok'] else 'FAIL'}  {ch['check']}", ch["detail"]) for ch in r["checks"]),
+    ])  # fmt: skip
     for f in r["failures"][:10]:
         print(f"  failed #{f['index']} {f['endpoint']}: {'; '.join(f['reasons'])[:300]}")
-    print("=" * 72)
 
 
-# ---- command line -------------------------------------------------------------------------------
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The docstring as written, and every flag's default after its help."""
-
-
-FLAGS = [  # (flag, type, default, help); every flag's default is printed after its help
+FLAGS = [  # (flag, type, default, help)
     ("--requests", int, 2000, "requests in the load"),
     ("--concurrency", int, 64, "requests in flight at once"),
     ("--abort-fraction", float, 0.1, "fraction of the requests the client abandons"),
     ("--seed", int, 0, "seed of the prompts and every random choice"),
-    ("--max-tokens", int, 48,
-     "max_tokens of each request is drawn from 1..this (probes: --probe-tokens)"),
-    ("--max-cache-size", int, 12,
-     "KV cache in blocks (of --block_size tokens, default 128), converted to the daemon's "
-     "--max_cache_size in bytes; small enough to force preemption. 0 = the daemon's own "
-     "sizing. 12 blocks of 128 hold 1536 tokens: the longest request (1024 prompt + 48 "
-     "tokens) fits, 64 running requests do not"),
-    ("--server-args", str, "--num_speculative_tokens=1",
-     "flags for the daemon, one quoted string (the default turns MTP on, k = 1)"),
-    ("--model", str, None, "checkpoint directory; None: the bundled model"),
-    ("--probes", int, 8, "greedy probe requests"),
+    ("--max-tokens", int, 48, "max_tokens of each request is drawn from 1..this"),
+    ("--max-cache-size", int, 12, "KV cache in blocks (of the daemon's block size, 128 by "
+     "default), converted to its --max_cache_size bytes; 0: the daemon's own sizing. 12 x 128 "
+     "tokens hold the longest request (1024 + 48), not 64 running ones"),
+    ("--server-args", str, "--num_speculative_tokens=1", "daemon flags, one quoted string"),
+    ("--model", str, None, "checkpoint directory (None: the bundled model)"),
+    ("--probes", int, 8, "greedy probe requests (held-out prompts, both endpoints)"),
     ("--probe-rounds", int, 4, "times the probes are sent during the load, evenly spread"),
     ("--probe-tokens", int, 32, "max_tokens of a probe"),
-    ("--warmup-fraction", float, 0.2,
-     "RSS growth is measured from when this fraction of requests finished"),
+    ("--warmup-fraction", float, 0.2, "RSS growth counts from when this fraction finished"),
     ("--max-rss-growth", float, 0.10, "largest RSS growth after warm-up that passes"),
-    ("--rss-interval", float, 0.5, "seconds between RSS samples"),
-    ("--settle-timeout", float, 60.0,
-     "seconds the gauges may take to return to 0 after the load"),
+    ("--rss-interval", float, 0.5, "seconds between RSS samples of the daemon"),
+    ("--settle-timeout", float, 60.0, "seconds the gauges may take to return to 0"),
     ("--request-timeout", float, 600.0, "client timeout per request (s)"),
     ("--startup-timeout", float, 600.0, "seconds the daemon may take to start"),
-    ("--result", Path, ROOT / "perf/results/soak.json", "JSON result file"),
+    ("--result", Path, RESULTS / "soak.json", "JSON result file"),
+    ("--no-progress", bool, False, "no progress bar"),
 ]  # fmt: skip
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
-    for flag, kind, default, text in FLAGS:
-        p.add_argument(flag, type=kind, default=default, help=text)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
 
 
 async def _client_phase(server: Server, specs, probes, args) -> dict:
@@ -728,19 +622,13 @@ def soak(args, specs: list[Spec], probes: list[Spec], flags: list[str]) -> dict:
         code = server.stop()
     log = Path(server.log.name).read_text()  # stop() closed the file: output() cannot
     return {
-        **phase,
-        "gauges": gauges,
-        "server": {k: after[k] - before[k] for k in after},
-        "healthy": healthy,
-        "exit_code": code,
-        "log": log,
-        "log_path": server.log.name,
-    }
+        **phase, "gauges": gauges, "server": {k: after[k] - before[k] for k in after},
+        "healthy": healthy, "exit_code": code, "log": log, "log_path": server.log.name,
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    given = sys.argv[1:] if argv is None else argv
+    args = parser(__doc__, FLAGS).parse_args(argv)
     t0 = time.perf_counter()
     model = args.model or str(bundled_model())
     flags = shlex.split(args.server_args) + (["--model", args.model] if args.model else [])
@@ -750,8 +638,8 @@ def main(argv: list[str] | None = None) -> dict:
     run = soak(args, specs, probes, flags)
     outcomes = run["outcomes"]
     result = {
-        "command": shlex.join(["python", "-m", "perf.soak", *given]),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "command": command("soak", argv),
+        "settings": settings(args),
         "daemon_flags": flags,
         "machine": machine(),
         "kv_blocks": kv_blocks_from_log(run["log"]),
@@ -772,10 +660,8 @@ def main(argv: list[str] | None = None) -> dict:
     result["duration_s"] = time.perf_counter() - t0
     result["checks"] = checks(result, args)
     result["passed"] = all(c["ok"] for c in result["checks"])
-    args.result.parent.mkdir(parents=True, exist_ok=True)
-    args.result.write_text(json.dumps(result, indent=1) + "\n")
     print_summary(result)
-    print(f"Wrote {args.result}")
+    write_json(args.result, result)
     return result
 
 

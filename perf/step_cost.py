@@ -1,53 +1,23 @@
 #!/usr/bin/env python3
-"""What a decode step costs, with and without MTP drafts: the bandwidth ceiling of MTP
-(bytes read per pass, in plain steps) and, with --measure, the measured step on this
-machine with its torch.profiler split. perf's one step-cost tool.
+"""What a decode step costs, with and without MTP drafts: the batch-1 bandwidth ceiling of
+MTP (docs/design.md section 9; perf/README.md explains the table) and, with --measure, the
+measured step here with its torch.profiler split. perf's one step-cost tool.
 
     python -m perf.step_cost --results perf/results/mtp_sweep/sweep.json
-    python -m perf.step_cost --model DIR --k 1 2 3 4 --prompts 8 --new-tokens 64
-    python -m perf.step_cost --reuse perf/results/mtp_ceiling.json --k 1 2 --measure \\
-        --output /tmp/step_cost.json
-    python -m perf.step_cost --reuse perf/results/mtp_ceiling.json --k 1 --measure --graph \\
-        --output /tmp/step_cost_graph.json
+    python -m perf.step_cost --reuse perf/results/mtp_ceiling.json --k 1 2 --measure [--graph]
 
-The ceiling (docs/design.md section 9): speedup <= L / (C_verify(k) + k x C_draft), at
-batch 1, each pass taking time in proportion to the bytes it reads (weights held in
---dtype, the latent KV cache over --context tokens). Sizes come from the checkpoint's
-safetensors headers (nothing loaded for them), routing from held-out ShareGPT prompts:
-
-  plain step    every target weight except the routed experts (attention, norms, dense MLP,
-                routers, shared experts, final norm, lm_head) + top_k routed experts per
-                MoE layer + one embedding row + the KV cache of every layer
-  verify(k+1)   the same for k+1 rows: weights and KV read once, but the routed experts are
-                the distinct ones k+1 consecutive tokens touch (measured per layer)
-  draft         as speculative/mtp_proposer.py runs it: a first MTP pass over the newly verified
-                rows (1 + accepted: the acceptance length on average; distinct experts
-                interpolated between whole windows) and the head, then k-1 chained one-row
-                passes, each with the head again. Draft cost = those bytes / k.
-  ceiling(k)    acceptance_length(k) / (verify + k x draft), costs in plain-step units
-
-Routing: the target greedily continues each prompt (--new-tokens, EOS ignored), then prompt
-+ continuation go through once more as one prefill with forward hooks on every Router, so
-each continuation position's experts are known (the MTP layer's too: its first pass covers
-the same positions). Distinct experts are averaged over all windows of w = 1..max(k)+1
-consecutive continuation tokens. Acceptance lengths come from --results (mtp_sweep's
-sweep.json or a bench_offline --spec JSON) for the k it has, else are measured here with
-the offline API (greedy, the same prompts); the table says which. Given --results, each of
-its rows is compared with the ceiling at that row's own acceptance length.
-
---measure: for k = 0 and each k of --k, an engine (eager, or graph mode with --graph)
-decodes --batch held-out prompts (greedy, EOS ignored, --measure-tokens each) after an
-untimed run: ms per decode step, tokens per step, the step cost in plain steps of the same
-mode (measured) next to the byte model's (verify + k x draft at the acceptance measured),
-and in eager mode the split of a step under torch.profiler: ms in the target's MLA layers
-(attention), MoE layers, dense MLP layers, head (lm_head logits), the draft (the proposer:
-MTP layer and its head) and the rest (scheduling, sampling, verification, Python).
-perf/gpu_report.py uses the same decode timing and split.
+ceiling(k) = acceptance_length / (verify(k+1 rows) + k x draft), costs in plain steps, each
+pass costing the bytes it reads (weights in --dtype from the safetensors headers; latent KV
+over --context tokens; routed experts as routed on held-out ShareGPT prompts, measured by
+Router hooks over windows of 1..k+1 tokens). Acceptance lengths: from --results (sweep.json
+or a bench_offline --spec JSON, whose rows are also compared with the ceiling), --reuse, or
+measured here. --measure: ms per decode step for k = 0 and each --k, tokens per step, step
+cost measured vs modelled, and in eager mode the split of a step (attention, MoE, dense MLP,
+head, draft, other) that perf/gpu_report.py uses too.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import itertools
@@ -55,7 +25,6 @@ import json
 import math
 import re
 import struct
-import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -63,7 +32,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from perf.common import (
+    RESULTS,
+    chat_prompts,
+    close,
+    command,
+    md_table,
+    parser,
+    settings,
+    write_json,
+)
 
 EL_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 SCALES = ("_scale_inv", "weight_scale")  # FP8 block scales: not kept once dequantised
@@ -139,18 +117,13 @@ def byte_model(
     head = parts[("lm_head.weight", 0)] or parts[("model.embed_tokens.weight", 0)]  # tied
     moe = sorted(i for kind, i in parts if kind == "expert")
     return ByteModel(
-        target_dense=parts[("dense", 0)],
-        expert=[parts[("expert", i)] // E for i in moe],
+        target_dense=parts[("dense", 0)], expert=[parts[("expert", i)] // E for i in moe],
         draft_dense=[parts[("draft_dense", j)] for j in range(n_mtp)],
-        draft_expert=[parts[("draft_expert", j)] // E for j in range(n_mtp)],
-        head=head,
-        draft_head=draft_vocab * hidden * el if draft_vocab else head,
-        embed_row=hidden * el,
-        kv_token_layer=(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * el,
-        num_layers=N,
-        top_k=cfg["num_experts_per_tok"],
-        total_weights=sum(parts.values()),
-    )
+        draft_expert=[parts[("draft_expert", j)] // E for j in range(n_mtp)], head=head,
+        draft_head=draft_vocab * hidden * el if draft_vocab else head, embed_row=hidden * el,
+        kv_token_layer=(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * el, num_layers=N,
+        top_k=cfg["num_experts_per_tok"], total_weights=sum(parts.values()),
+    )  # fmt: skip
 
 
 def new_llm(model: str, k: int, dtype: str = "float32", draft_model: str | None = None):
@@ -161,13 +134,10 @@ def new_llm(model: str, k: int, dtype: str = "float32", draft_model: str | None 
 
 
 def held_out_prompts(llm, n: int) -> list[list[int]]:
-    """Token ids of n held-out ShareGPT user turns, chat template applied (as bench_spec)."""
-    from xllm_py.sharegpt import held_out_user_turns
-
-    tok = llm.get_tokenizer()
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}])
-             for p in held_out_user_turns(n, 20, 1500)]  # fmt: skip
-    return [llm.engine.tokenize_prompt(t)[1] for t in texts]
+    """Token ids of n held-out ShareGPT chat prompts (as bench_offline --spec)."""
+    return [
+        llm.engine.tokenize_prompt(t)[1] for t in chat_prompts(llm.get_tokenizer(), n, 20, 1500)
+    ]
 
 
 def acceptance(llm, prompts: list[list[int]], new_tokens: int) -> float:
@@ -284,8 +254,6 @@ def measured_rows(path: Path) -> tuple[list[dict], dict]:
                         "speedup": r["speedup"]})  # fmt: skip
     return out, {key: data[key] for key in ("input_len", "output_len") if key in data}
 
-
-# ---- the measured step ---------------------------------------------------------------------------
 
 LABELS = ("attention", "moe", "dense_mlp", "head", "draft")
 _ids = itertools.count()
@@ -422,9 +390,7 @@ def measure_steps(args, model: str, bm: ByteModel, routing: dict, context: int) 
         if not args.graph:
             row["split"] = profiled_split(llm, prompts, args.measure_tokens)
         rows.append(row)
-        llm.engine.core.shutdown()
-        del llm
-        gc.collect()
+        close(llm)
     return rows
 
 
@@ -440,49 +406,33 @@ def print_measured(rows: list[dict]) -> None:
         for r in rows]))  # fmt: skip
 
 
-def md_table(head: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+FLAGS = [  # (flag, type, default, help)
+    ("--model", str, None, "checkpoint directory (None: the bundled model)"),
+    ("--draft-model", str, None, "exported MTP draft, if separate"),
+    ("--k", int, [1, 2, 3, 4], "draft counts"),
+    ("--results", Path, None, "sweep.json (perf.mtp_sweep) or perf.bench_offline --spec JSON: "
+     "acceptance lengths, measured speedups to compare, the context"),
+    ("--prompts", int, 8, "held-out ShareGPT prompts to measure on"),
+    ("--new-tokens", int, 64, "greedy tokens per prompt"),
+    ("--dtype", tuple(EL_BYTES), "float32", "bytes per weight and KV element; the measuring "
+     "engine runs float32 unless bfloat16/float16"),
+    ("--context", int, 0, "tokens the KV reads cover (0: input_len + output_len / 2 of "
+     "--results, else the prompts' mean length + new_tokens / 2)"),
+    ("--draft-vocab", int, 0, "a draft head over this many hot tokens (0: all)"),
+    ("--reuse", Path, None, "an earlier JSON of this tool on this model: its routing (and "
+     "acceptance lengths for k not in --results) instead of measuring them"),
+    ("--measure", bool, False, "also time decode steps here and split them (torch.profiler)"),
+    ("--graph", bool, False, "--measure in graph mode (no split)"),
+    ("--batch", int, 1, "--measure: requests decoded at once"),
+    ("--measure-tokens", int, 64, "--measure: tokens each"),
+    ("--output", Path, RESULTS / "mtp_ceiling.json", "JSON to write"),
+]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
     from xllm_py.assets import bundled_model
 
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: bundled)")
-    ap.add_argument("--draft-model", default=None, help="exported MTP draft, if separate")
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4], help="draft counts")
-    ap.add_argument("--results", type=Path, default=None,
-                    help="sweep.json (perf.mtp_sweep) or perf.bench_offline --spec JSON: "
-                    "acceptance lengths, measured speedups to compare, the context")  # fmt: skip
-    ap.add_argument("--prompts", type=int, default=8, help="held-out ShareGPT prompts to use")
-    ap.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
-    ap.add_argument("--dtype", choices=sorted(EL_BYTES), default="float32",
-                    help="bytes per weight and KV element (float32: the CPU run dtype; with one "
-                    "dtype throughout, it changes only the MB, not the costs); the measuring "
-                    "engine runs in float32 unless bfloat16/float16")  # fmt: skip
-    ap.add_argument("--context", type=int, default=0,
-                    help="tokens the KV reads cover (default: input_len + output_len / 2 of "
-                    "--results, else the prompts' mean length + new_tokens / 2)")  # fmt: skip
-    ap.add_argument("--draft-vocab", type=int, default=0, help="model a draft head over "
-                    "this many hot tokens (0: the whole vocabulary)")  # fmt: skip
-    ap.add_argument("--reuse", type=Path, default=None,
-                    help="an earlier JSON of this tool on this model: its routing statistics "
-                    "(and acceptance lengths for k not in --results) instead of measuring "
-                    "them")  # fmt: skip
-    ap.add_argument(
-        "--measure",
-        action="store_true",
-        help="also time decode steps here and split them with torch.profiler",
-    )
-    ap.add_argument("--graph", action="store_true", help="--measure in graph mode (no split)")
-    ap.add_argument("--batch", type=int, default=1, help="--measure: requests decoded at once")
-    ap.add_argument("--measure-tokens", type=int, default=64, help="--measure: tokens each")
-    ap.add_argument("--output", type=Path, default=ROOT / "perf/results/mtp_ceiling.json",
-                    help="JSON to write")  # fmt: skip
-    args = ap.parse_args(argv)
+    args = parser(__doc__, FLAGS).parse_args(argv)
     model = args.model or bundled_model()
     run_dtype = args.dtype if args.dtype in ("bfloat16", "float16") else "float32"
     args.run_dtype = run_dtype
@@ -559,21 +509,14 @@ def main(argv: list[str] | None = None) -> dict:
         gc.collect()
         steps = measure_steps(args, model, bm, routing, context)
         print_measured(steps)
-    given = argv if argv is not None else sys.argv[1:]
     summary = {
-        "command": " ".join(["python", "-m", "perf.step_cost", *given]),
-        **{key: str(v) if isinstance(v, Path) else v for key, v in vars(args).items()},
-        "model": model,
-        "context": context,
-        "measured_on_prompts": len(engine.get("prompts", [])),
-        "byte_model": asdict(bm),
-        "routing": routing,
-        "rows": rows,
-        "compare": compare,
+        "command": command("step_cost", argv),
+        **settings(args),
+        "model": model, "context": context, "measured_on_prompts": len(engine.get("prompts", [])),
+        "byte_model": asdict(bm), "routing": routing, "rows": rows, "compare": compare,
         "measured": steps,
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(summary, indent=2))
+    }  # fmt: skip
+    write_json(args.output, summary)
     return summary
 
 

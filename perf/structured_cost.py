@@ -1,36 +1,31 @@
-"""What structured outputs cost: output tokens/s with and without a JSON schema, plain
-decoding (k = 0) and MTP (k = 1), offline on the bundled model.
+"""What structured outputs cost: output tokens/s with and without a JSON schema, k = 0
+and 1, offline on the bundled model, held-out chat prompts, greedy, arms interleaved over
+--rounds (medians). The `none` arm generates for each prompt exactly as many tokens as the
+schema gave it, so the arms differ only by the grammar; `json_schema` fills the bitmask in
+line, `json_schema_overlapped` in a helper thread during the forward.
 
     .venv/bin/python -m perf.structured_cost        # about 2 minutes here
-
---prompts held-out ShareGPT chat prompts, greedy, up to --max-tokens each; the schema
-arm asks each for an object of a few bounded fields. The grammar ends those outputs
-early, and shorter outputs alone lower tokens/s (the prompt's prefill is shared by fewer
-tokens), so the `none` arm generates, for each prompt, exactly as many tokens as the
-schema gave it (ignore_eos): the arms differ only by the grammar. Arms run --rounds times,
-interleaved; medians are reported with MTP's acceptance rate. The grammar's cost is
-per token and per row: a bitmask filled for each verified row and each draft. The
-verified rows' bitmask can be filled in a helper thread while the forward runs (the
-runner's overlap_grammar, on by default on accelerators, off on CPU): `json_schema`
-fills it in line, `json_schema_overlapped` in the thread, to measure what the overlap
-buys here. Writes perf/results/structured_cost.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from perf.daemon import machine
+from perf.common import (
+    RESULTS,
+    chat_prompts,
+    command,
+    machine,
+    md_table,
+    parser,
+    settings,
+    write_json,
+)  # fmt: skip
 from xllm_py import LLM, SamplingParams
 from xllm_py.sampling_params import StructuredOutput
-from xllm_py.sharegpt import held_out_user_turns
-
-ROOT = Path(__file__).resolve().parent.parent
 
 SCHEMA = {
     "type": "object",
@@ -52,34 +47,29 @@ def run_arm(llm: LLM, prompts: list[str], params) -> tuple[float, int]:
     return tokens / seconds, tokens
 
 
+FLAGS = [  # (flag, type, default, help)
+    ("--prompts", int, 32, "held-out chat prompts"),
+    ("--max-tokens", int, 64, "max_tokens of each request"),
+    ("--rounds", int, 3, "interleaved rounds of every arm"),
+    ("--output", Path, RESULTS / "structured_cost.json", "result JSON"),
+]
+
+
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument("--prompts", type=int, default=32, help="held-out chat prompts")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--output", default=str(ROOT / "perf/results/structured_cost.json"))
-    args = p.parse_args(argv)
+    args = parser(__doc__, FLAGS).parse_args(argv)
     engines = {k: LLM(dtype="float32", num_speculative_tokens=k) for k in (0, 1)}
-    tok = engines[0].get_tokenizer()
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": t}])
-        for t in held_out_user_turns(args.prompts, 20, 600)
-    ]
+    prompts = chat_prompts(engines[0].get_tokenizer(), args.prompts, 20, 600)
     schema = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=0,
+        max_tokens=args.max_tokens, temperature=0,
         structured=StructuredOutput("json", json.dumps(SCHEMA)),
-    )
+    )  # fmt: skip
     lengths = [len(o.outputs[0].token_ids) for o in engines[0].generate(prompts, schema)]
     same_length = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     # arm -> (params, fill the bitmask during the forward?)
     arms = {
-        "none": (same_length, False),
-        "json_schema": (schema, False),
+        "none": (same_length, False), "json_schema": (schema, False),
         "json_schema_overlapped": (schema, True),
-    }
+    }  # fmt: skip
     for llm in engines.values():  # warm-up: first compile, allocator, caches
         for params, overlap in arms.values():
             llm.engine.core.executor.worker.runner.overlap_grammar = overlap
@@ -106,22 +96,15 @@ def main(argv: list[str] | None = None) -> dict:
                     "median_output_tok_s": statistics.median(rates[key]),
                     "output_tokens_per_round": tokens[key],
                     "acceptance_rate_all_arms": None if m is None else m.acceptance_rate,
-                }
+                }  # fmt: skip
             )
     med = {(r["k"], r["constraint"]): r["median_output_tok_s"] for r in rows}
-    print(f"{'k':>2} {'constraint':>22} {'output tok/s':>13} {'vs none':>8}")
-    for r in rows:
-        ratio = r["median_output_tok_s"] / med[(r["k"], "none")]
-        print(f"{r['k']:>2} {r['constraint']:>22} {r['median_output_tok_s']:13.1f} {ratio:8.2f}")
-    result = {
-        "command": "python -m perf.structured_cost " + " ".join(argv or sys.argv[1:]),
-        "machine": machine(),
-        "settings": {k: v for k, v in vars(args).items() if k != "output"},
-        "schema": SCHEMA,
-        "rows": rows,
-    }
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    print(md_table(["k", "constraint", "output tok/s", "vs none"], [
+        [r["k"], r["constraint"], f"{r['median_output_tok_s']:.1f}",
+         f"{r['median_output_tok_s'] / med[r['k'], 'none']:.2f}"] for r in rows]))  # fmt: skip
+    result = {"command": command("structured_cost", argv), "machine": machine(),
+              "settings": settings(args), "schema": SCHEMA, "rows": rows}  # fmt: skip
+    write_json(args.output, result)
     return result
 
 

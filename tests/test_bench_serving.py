@@ -43,7 +43,7 @@ def records() -> list[RequestOutput]:
 
 
 def test_calculate_metrics_by_hand():
-    m = calculate_metrics(records(), duration=2.0, tokenizer=WordTokenizer(), percentiles=[99])
+    m = calculate_metrics(records(), duration=2.0, tokenizer=WordTokenizer())
     approx = pytest.approx
     assert m["completed"] == 3 and m["failed"] == 1
     assert m["total_input_tokens"] == 60  # 10 + 20 + 30
@@ -123,7 +123,6 @@ VLLM_KEYS = [
     "model_id",
     "num_prompts",
     "request_rate",
-    "burstiness",
     "max_concurrency",
     "duration",
     "completed",
@@ -170,8 +169,6 @@ def test_end_to_end_against_the_daemon(tmp_path):
                 "--save-detailed",
                 f"--result-dir={tmp_path}",
                 "--result-filename=out.json",
-                "--metadata",
-                "k=1",
             ]
         )
         drafts = server.metric("xllm:spec_decode_num_drafts_total")
@@ -180,7 +177,7 @@ def test_end_to_end_against_the_daemon(tmp_path):
     missing = [k for k in VLLM_KEYS if k not in saved]
     assert not missing
     assert saved["backend"] == "openai" and saved["model_id"] == "tiny-deepseek-v3-mtp"
-    assert saved["k"] == "1" and saved["max_concurrency"] == 2 and saved["request_rate"] == "inf"
+    assert saved["max_concurrency"] == 2 and saved["request_rate"] == "inf"
     assert saved["failed"] == 0 and saved["completed"] == 6, saved["errors"]
     assert saved["input_lens"] == [32] * 6
     assert saved["output_lens"] == [8] * 6

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from perf import llama_cpp_peer as peer
-from perf.daemon import free_port
+from perf.daemon import Daemon, free_port
 from xllm_py.assets import BUNDLED_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -407,7 +407,9 @@ def test_llama_cpp_server_runs_to_max_tokens_with_the_extra_body(bundled_gguf, t
     import httpx
 
     port = free_port()
-    with peer.running_server(bundled_gguf, port, 512, 1, tmp_path / "server.log") as url:
+    cmd = peer.server_command(bundled_gguf, port, 512, 1)
+    with Daemon(cmd, port, tmp_path / "server.log", peer.READY_PATH, peer.server_env()) as server:
+        url = server.url
         assert httpx.get(url + "/health").status_code == 404  # hence READY_PATH
         model = httpx.get(url + peer.READY_PATH).json()["data"][0]["id"]
         assert model == bundled_gguf.stem
