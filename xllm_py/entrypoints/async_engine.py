@@ -4,11 +4,15 @@
     ------------------------------------    ------------------------------------
     tokenize + validate (ValueError: 400)
     submit -> pending queue  ─────────────> admit, step(), step(), ...
-    async for update in stream  <────────── per-request asyncio.Queue (thread-safe put)
+    async for update in stream  <────────── per-request slot: ONE pending Update,
+                                            newer output merged into it
     disconnect / cancel -> abort queue ───> abort_request: blocks freed
 
 The loop never blocks the event loop: model steps run here, and results cross
-over with `loop.call_soon_threadsafe`. A failure in one request's own work (adding
+over through each request's slot (a lock, and `loop.call_soon_threadsafe` to wake
+the reader only when the slot goes from empty to full). A reader that falls behind
+(a stalled stream) therefore holds one merged Update, as large as the output it has
+not read, however many steps ran meanwhile. A failure in one request's own work (adding
 it, its output processing) fails that request only, with RequestFailedError; the
 others go on. If a step raises, the engine is dead: every in-flight request gets an
 EngineDeadError, `dead` is set (so /health answers 503) and `on_failure` is called
@@ -18,7 +22,6 @@ EngineDeadError, `dead` is set (so /health answers 503) and `on_failure` is call
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -26,44 +29,31 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from xllm_py.config import ModelConfig
 from xllm_py.engine.llm_engine import LLMEngine
-from xllm_py.engine.outputs import RequestOutput
+from xllm_py.engine.outputs import CompletionOutput, RequestOutput
 from xllm_py.engine.scheduler import SchedulerStats
+from xllm_py.engine.tokenizer import Tokenizer
+from xllm_py.entrypoints.engine_client import (
+    EngineDeadError,
+    RequestAbortedError,
+    RequestFailedError,
+    Update,
+)
 from xllm_py.sampling_params import SamplingParams
+
+__all__ = [
+    "AsyncEngine",
+    "EngineDeadError",
+    "EngineEvents",
+    "RequestAbortedError",
+    "RequestFailedError",
+    "RequestRecord",
+    "Update",
+]
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped with an error; no request can complete."""
-
-
-class RequestFailedError(RuntimeError):
-    """Handling this request's own data raised; it was ended, the engine goes on."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The server ended the request before it finished (shutdown); the message says why."""
-
-
-@dataclass(frozen=True)
-class Update:
-    """What one engine step produced for one request (immutable: it crosses threads)."""
-
-    text: str  # the whole output text so far (stop strings already cut)
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    # in the first update after the prompt was computed, when prompt_logprobs were asked
-    # for (RequestOutput.prompt_logprobs and prompt_ranks)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    prompt_ranks: list[int] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -86,14 +76,106 @@ class EngineEvents:
     on_finished: Callable[[RequestRecord, str, float], None] = lambda rec, reason, now: None
 
 
-@dataclass
+class _Merged:
+    """Updates a reader has not taken yet, merged in place: each merge costs the size of
+    what it adds, so a reader that falls far behind costs O(output) in all, not
+    O(output^2) (a new Update per merge would copy everything pending)."""
+
+    def __init__(self, first: Update) -> None:
+        self.texts = [first.delta_text]
+        self.ids = list(first.new_token_ids)
+        self.logprobs = None if first.new_logprobs is None else list(first.new_logprobs)
+        self.last = first  # finish and stop reasons come from the latest
+        self.prompt = first if first.prompt_logprobs is not None else None  # the one with them
+
+    def add(self, later: Update) -> None:
+        self.texts.append(later.delta_text)
+        self.ids += later.new_token_ids
+        if later.new_logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(later.new_logprobs)
+        self.last = later
+        if self.prompt is None and later.prompt_logprobs is not None:
+            self.prompt = later
+
+    def update(self) -> Update:
+        p = self.prompt
+        return Update(
+            "".join(self.texts),
+            self.ids,
+            self.logprobs,
+            self.last.finish_reason,
+            self.last.stop_reason,
+            None if p is None else p.prompt_logprobs,
+            None if p is None else p.prompt_ranks,
+        )
+
+
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    record: RequestRecord
-    sent_tokens: int = 0
-    sent_logprobs: int = 0
-    sent_prompt_logprobs: bool = False
+    """One request's hand-over point between the engine thread and its reader: at most
+    one pending Update (newer output merged in) and, at the end, an error."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, record: RequestRecord, sampling: SamplingParams
+    ) -> None:
+        self.loop, self.record, self.sampling = loop, record, sampling
+        self.ready = asyncio.Event()  # set (on the loop) when the slot may hold something
+        self.lock = threading.Lock()
+        self.pending: _Merged | None = None
+        self.error: BaseException | None = None
+        # engine thread only: how much of the request's output was handed over
+        self.sent_tokens = self.sent_logprobs = self.sent_chars = 0
+        self.sent_prompt_logprobs = False
+
+    def put(self, item: Update | BaseException) -> None:
+        """From any thread. An error ends the stream: it is read after the pending
+        update, and later output is dropped."""
+        with self.lock:
+            wake = self.pending is None and self.error is None
+            if isinstance(item, BaseException):
+                self.error = self.error or item
+            elif self.error is None:
+                if self.pending is None:
+                    self.pending = _Merged(item)
+                else:
+                    self.pending.add(item)
+        if wake:
+            self.loop.call_soon_threadsafe(self.ready.set)
+
+    async def get(self) -> Update | BaseException:
+        """The pending update (taken), else the error; waits for one of them."""
+        while True:
+            with self.lock:
+                if self.pending is not None:
+                    item, self.pending = self.pending, None
+                    return item.update()
+                if self.error is not None:
+                    return self.error
+                self.ready.clear()  # under the lock: a put after this wakes us again
+            await self.ready.wait()
+
+    def update(self, c: CompletionOutput, out: RequestOutput) -> Update:
+        """What `out` adds to what was handed over (engine thread). The text's last
+        characters that could still be the start of a stop string stay back until the
+        request finishes: a stop string found later only ever cuts those."""
+        stops = self.sampling.stop
+        hold = 0 if c.finish_reason is not None or not stops else max(map(len, stops)) - 1
+        upto = max(self.sent_chars, len(c.text) - hold)
+        delta, self.sent_chars = c.text[self.sent_chars : upto], upto
+        new = c.token_ids[self.sent_tokens :]
+        self.sent_tokens = len(c.token_ids)
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = c.logprobs[self.sent_logprobs :]
+            self.sent_logprobs = len(c.logprobs)
+        prompt_lps = prompt_ranks = None
+        if out.prompt_logprobs is not None and not self.sent_prompt_logprobs:
+            self.sent_prompt_logprobs = True
+            prompt_lps, prompt_ranks = out.prompt_logprobs, out.prompt_ranks
+        return Update(
+            delta, new, logprobs, c.finish_reason, c.stop_reason, prompt_lps, prompt_ranks
+        )
 
 
 @dataclass
@@ -106,6 +188,8 @@ class _Pending:
 
 
 class AsyncEngine:
+    """The EngineClient (engine_client.py) of one LLMEngine stepped on its own thread."""
+
     def __init__(
         self,
         engine: LLMEngine,
@@ -127,6 +211,26 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="xllm-engine", daemon=True)
 
+    # ---- EngineClient: what the HTTP layer reads ----------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.config.model
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    def tokenize_prompt(self, prompt: str) -> tuple[str | None, list[int]]:
+        return self.engine.tokenize_prompt(prompt)  # reads the tokenizer only
+
+    def validate(self, ids: list[int], sampling: SamplingParams) -> None:
+        self.engine.validate(ids, sampling)  # reads the configs only
+
     # ---- event-loop side --------------------------------------------------------------------
 
     def start(self) -> None:
@@ -143,9 +247,8 @@ class AsyncEngine:
     ) -> AsyncIterator[Update]:
         """Updates for one request until it finishes. Closing the iterator early (client
         gone, task cancelled) aborts the request and frees its blocks."""
-        stream = _Stream(
-            asyncio.get_running_loop(), asyncio.Queue(), RequestRecord(time.monotonic(), len(ids))
-        )
+        record = RequestRecord(time.monotonic(), len(ids))
+        stream = _Stream(asyncio.get_running_loop(), record, sampling)
         with self._lock:  # `dead` is set under the same lock, so no request slips past _die
             if self.dead is not None:
                 raise EngineDeadError(f"the engine has stopped: {self.dead}")
@@ -159,7 +262,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -189,7 +292,7 @@ class AsyncEngine:
             streams, self._streams = dict(self._streams), {}
             self._aborts.extend((req_id, s.record) for req_id, s in streams.items())
         for s in streams.values():
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, RequestAbortedError(why))
+            s.put(RequestAbortedError(why))
         self._wake.set()
         return len(streams)
 
@@ -251,42 +354,27 @@ class AsyncEngine:
                 self._fail(out.request_id, s, out.error)
                 continue
             c = out.outputs[0]
-            new = c.token_ids[s.sent_tokens :]
-            logprobs = None
-            if c.logprobs is not None:
-                logprobs = c.logprobs[s.sent_logprobs :]
-                s.sent_logprobs = len(c.logprobs)
-            s.sent_tokens = len(c.token_ids)
-            if new:
-                self.events.on_tokens(s.record, len(new), now)
-            upd = Update(c.text, new, logprobs, c.finish_reason, c.stop_reason)
-            if out.prompt_logprobs is not None and not s.sent_prompt_logprobs:
-                s.sent_prompt_logprobs = True
-                upd = dataclasses.replace(
-                    upd, prompt_logprobs=out.prompt_logprobs, prompt_ranks=out.prompt_ranks
-                )
+            upd = s.update(c, out)
+            if upd.new_token_ids:
+                self.events.on_tokens(s.record, len(upd.new_token_ids), now)
             if upd.finished:
                 self.events.on_finished(s.record, c.finish_reason, now)
                 with self._lock:
                     self._streams.pop(out.request_id, None)
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, upd)
+            s.put(upd)
 
     def _fail(self, req_id: str, s: _Stream, error: str) -> None:
         """One request failed on its own: its handler gets RequestFailedError."""
         self.events.on_finished(s.record, "error", time.monotonic())
         with self._lock:
             self._streams.pop(req_id, None)
-        s.loop.call_soon_threadsafe(
-            s.queue.put_nowait, RequestFailedError(f"request {req_id} failed: {error}")
-        )
+        s.put(RequestFailedError(f"request {req_id} failed: {error}"))
 
     def _die(self, error: BaseException) -> None:
         with self._lock:
             self.dead = error
             streams, self._streams = dict(self._streams), {}
         for s in streams.values():
-            s.loop.call_soon_threadsafe(
-                s.queue.put_nowait, EngineDeadError(f"the engine failed: {error}")
-            )
+            s.put(EngineDeadError(f"the engine failed: {error}"))
         if self.on_failure is not None:
             self.on_failure(error)

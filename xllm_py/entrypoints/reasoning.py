@@ -9,8 +9,8 @@ usually has only the closing tag: everything before `</think>` is reasoning, a l
 (cut short by max_tokens) is all reasoning with no content. The split works on text, so
 it holds whether the tags are special tokens or spelled out in several tokens; streamed
 text that could still become `</think>` is held back until it cannot. Under the parser a
-structured-output grammar applies after `</think>` only (structured.py's
-`after_reasoning`), and tool calls are read from the answer.
+structured-output grammar applies after `</think>` only (`structured.after_reasoning`),
+and tool calls are read from the answer.
 """
 
 from __future__ import annotations

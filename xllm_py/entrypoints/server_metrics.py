@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from xllm_py.entrypoints.async_engine import AsyncEngine, EngineEvents, RequestRecord
+from xllm_py.structured import GrammarCacheCollector
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -148,6 +149,7 @@ class ServerMetrics:
 
     def attach(self, engine: AsyncEngine) -> None:
         self.registry.register(_StatsCollector(engine, self.model))
+        self.registry.register(GrammarCacheCollector(self.model))  # xllm:grammar_cache_*
         engine.events = EngineEvents(self._scheduled, self._tokens, self._finished)
 
     def _scheduled(self, rec: RequestRecord, now: float) -> None:

@@ -21,7 +21,7 @@ Text after `<｜tool▁calls▁end｜>` is dropped; a call whose header does not
 skipped; an output cut short inside a call keeps what arrived of its arguments.
 
 `tool_call_grammar` is the structural tag that makes the model's output a well-formed
-call when `tool_choice` is "required" or names a function (structured.py compiles it).
+call when `tool_choice` is "required" or names a function (structured/ compiles it).
 """
 
 from __future__ import annotations
@@ -80,89 +80,96 @@ class ToolCallStream:
         self.text += delta
         content: list[str] = []
         calls: list[dict] = []
-        while True:
-            rest = self.text[self.pos :]
-            if self.state == "content":
-                i = rest.find(CALLS_BEGIN)
-                if i >= 0:
-                    content.append(rest[:i])
-                    self.pos += i + len(CALLS_BEGIN)
-                    self.state = "calls"
-                    continue
-                keep = 0 if final else held_back(rest, CALLS_BEGIN)
-                content.append(rest[: len(rest) - keep])
-                self.pos += len(rest) - keep
-                break
-            if self.state == "calls":
-                stripped = rest.lstrip("\n")
-                if stripped.startswith(CALL_BEGIN):
-                    self.pos += len(rest) - len(stripped) + len(CALL_BEGIN)
-                    self.state = "header"
-                    continue
-                if stripped.startswith(CALLS_END) or (
-                    final or not (CALL_BEGIN.startswith(stripped) or CALLS_END.startswith(stripped))
-                ):
-                    self.state = "done"  # the calls ended (or something else began)
-                break
-            if self.state == "header":
-                m = _HEADER.match(rest)
-                if m:
-                    self.pos += m.end()
-                    if self.parallel or not self.calls:
-                        self.calls.append(ToolCall(new_call_id(), m.group(2).strip()))
-                        last = self.calls[-1]
-                        calls.append(
-                            {
-                                "index": len(self.calls) - 1,
-                                "id": last.id,
-                                "type": "function",
-                                "function": {"name": last.name, "arguments": ""},
-                            }
-                        )
-                        self.state, self.sent_args = "arguments", 0
-                    else:
-                        self.state = "skip"
-                    continue
-                end = rest.find(CALL_END)
-                if end >= 0:  # a call whose header does not parse: skipped
-                    self.pos += end + len(CALL_END)
-                    self.state = "calls"
-                    continue
-                if final:
-                    self.state = "done"
-                break
-            if self.state in ("arguments", "skip"):
-                end = rest.find(CALL_END)
-                if end >= 0:
-                    args = rest[:end]
-                    if args.endswith(FENCE_CLOSE):
-                        args = args[: -len(FENCE_CLOSE)]
-                    self.pos += end + len(CALL_END)
-                else:
-                    keep = 0 if final else held_back(rest, FENCE_CLOSE + CALL_END)
-                    args = rest[: len(rest) - keep]
-                if self.state == "arguments" and len(args) > self.sent_args:
-                    self.calls[-1].arguments += args[self.sent_args :]
-                    calls.append(
-                        {
-                            "index": len(self.calls) - 1,
-                            "function": {"arguments": args[self.sent_args :]},
-                        }
-                    )
-                    self.sent_args = len(args)
-                if end >= 0:
-                    self.state = "calls"
-                    continue
-                if final:
-                    self.state = "done"
-                break
-            break  # done: the rest is dropped
+        step = {
+            "content": lambda rest: self._content(rest, final, content),
+            "calls": lambda rest: self._between_calls(rest, final),
+            "header": lambda rest: self._header(rest, final, calls),
+            "arguments": lambda rest: self._arguments(rest, final, calls),
+            "skip": lambda rest: self._arguments(rest, final, calls),
+        }
+        # each step handles what it can of the rest; True: the state changed, go on
+        while self.state in step and step[self.state](self.text[self.pos :]):
+            pass
         out: dict = {}
         if "".join(content):
             out["content"] = "".join(content)
         if calls:
             out["tool_calls"] = _merge(calls)
         return out
+
+    def _content(self, rest: str, final: bool, content: list[str]) -> bool:
+        """Text before the calls begin (a possible partial marker held back)."""
+        i = rest.find(CALLS_BEGIN)
+        if i >= 0:
+            content.append(rest[:i])
+            self.pos += i + len(CALLS_BEGIN)
+            self.state = "calls"
+            return True
+        keep = 0 if final else held_back(rest, CALLS_BEGIN)
+        content.append(rest[: len(rest) - keep])
+        self.pos += len(rest) - keep
+        return False
+
+    def _between_calls(self, rest: str, final: bool) -> bool:
+        """After the calls began or a call ended: the next call, or the end of the calls."""
+        stripped = rest.lstrip("\n")
+        if stripped.startswith(CALL_BEGIN):
+            self.pos += len(rest) - len(stripped) + len(CALL_BEGIN)
+            self.state = "header"
+            return True
+        if stripped.startswith(CALLS_END) or (
+            final or not (CALL_BEGIN.startswith(stripped) or CALLS_END.startswith(stripped))
+        ):
+            self.state = "done"  # the calls ended (or something else began)
+        return False
+
+    def _header(self, rest: str, final: bool, calls: list[dict]) -> bool:
+        """`function<sep>NAME` and the opening fence: a new call (or one skipped)."""
+        m = _HEADER.match(rest)
+        if m:
+            self.pos += m.end()
+            if not (self.parallel or not self.calls):
+                self.state = "skip"
+                return True
+            call = ToolCall(new_call_id(), m.group(2).strip())
+            self.calls.append(call)
+            function = {"name": call.name, "arguments": ""}
+            index = len(self.calls) - 1
+            calls.append({"index": index, "id": call.id, "type": "function", "function": function})
+            self.state, self.sent_args = "arguments", 0
+            return True
+        end = rest.find(CALL_END)
+        if end >= 0:  # a call whose header does not parse: skipped
+            self.pos += end + len(CALL_END)
+            self.state = "calls"
+            return True
+        if final:
+            self.state = "done"
+        return False
+
+    def _arguments(self, rest: str, final: bool, calls: list[dict]) -> bool:
+        """The current call's arguments as they arrive (a possible start of the closing
+        fence held back); in state "skip" (a call not kept) they are read and dropped."""
+        end = rest.find(CALL_END)
+        if end >= 0:
+            args = rest[:end]
+            if args.endswith(FENCE_CLOSE):
+                args = args[: -len(FENCE_CLOSE)]
+            self.pos += end + len(CALL_END)
+        else:
+            keep = 0 if final else held_back(rest, FENCE_CLOSE + CALL_END)
+            args = rest[: len(rest) - keep]
+        if self.state == "arguments" and len(args) > self.sent_args:
+            fragment = args[self.sent_args :]
+            self.calls[-1].arguments += fragment
+            calls.append({"index": len(self.calls) - 1, "function": {"arguments": fragment}})
+            self.sent_args = len(args)
+        if end >= 0:
+            self.state = "calls"
+            return True
+        if final:
+            self.state = "done"
+        return False
 
 
 def _merge(deltas: list[dict]) -> list[dict]:

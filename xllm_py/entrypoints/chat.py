@@ -1,0 +1,112 @@
+"""POST /v1/chat/completions: messages rendered with the checkpoint's chat template.
+
+Each choice's text goes through the reasoning split (--reasoning_parser: `<think>` ...
+`</think>` becomes `reasoning_content`) and then the tool-call reader (when the request
+allows tool calls: DeepSeek-V3's markers become `tool_calls`); `tool_choice` required
+or named is enforced by a grammar. vLLM's `prompt_logprobs` (of the rendered prompt)
+are one list for the request, at the top of the body.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from xllm_py.entrypoints import reasoning, tool_parser
+from xllm_py.entrypoints.choice_output import Choice, ChoiceOutput, Formatter
+from xllm_py.entrypoints.engine_client import Update
+from xllm_py.entrypoints.openai_protocol import ChatCompletionRequest
+from xllm_py.entrypoints.serving import Answer, OpenAIServer
+from xllm_py.sampling_params import StructuredOutput
+
+
+class ChatChoice(ChoiceOutput):
+    def __init__(
+        self,
+        choice: Choice,
+        fmt: Formatter,
+        req: ChatCompletionRequest,
+        split_reasoning: bool,
+        read_tool_calls: bool,
+    ) -> None:
+        super().__init__(choice, fmt, req.prompt_logprobs)
+        self.splitter = reasoning.StreamSplitter() if split_reasoning else None
+        self.calls = None
+        if read_tool_calls:
+            self.calls = tool_parser.ToolCallStream(req.parallel_tool_calls)
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.logprobs: list[dict] = []
+
+    def opening(self) -> dict:
+        delta = {"role": "assistant", "content": ""}
+        return {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def delta(self, u: Update) -> dict | None:
+        text = u.delta_text
+        if not text and not u.finished and not u.new_logprobs:
+            return None
+        lp = None
+        if self.want is not None and u.new_logprobs:
+            entries = self.fmt.chat_logprobs(u.new_logprobs, u.new_token_ids, self.want)
+            self.logprobs += entries
+            lp = {"content": entries}
+        thought, answer = "", text
+        if self.splitter is not None:
+            thought, answer = self.splitter.feed(text, final=u.finished)
+        delta: dict = {"reasoning_content": thought} if thought else {}
+        if self.calls is not None:
+            delta |= self.calls.feed(answer, final=u.finished)
+        elif answer:
+            delta["content"] = answer
+        self.reasoning.append(thought)
+        self.content.append(delta.get("content", ""))
+        if not delta and not u.finished and lp is None:
+            return None  # all of it held back (a tag or a call's header)
+        finish = self._finish()
+        return {"index": self.index, "logprobs": lp, "finish_reason": finish, "delta": delta}
+
+    def _finish(self) -> str | None:
+        if self.finish_reason == "stop" and self.calls is not None and self.calls.calls:
+            return "tool_calls"
+        return self.finish_reason
+
+    def final(self) -> dict:
+        content: str | None = "".join(self.content)
+        message: dict = {"role": "assistant", "content": content}
+        if self.splitter is not None:
+            message |= {"content": content or None, "reasoning_content": "".join(self.reasoning)}
+        if self.calls is not None and self.calls.calls:
+            message["content"] = content or None
+            message["tool_calls"] = [call.openai() for call in self.calls.calls]
+        return {
+            "index": self.index,
+            "finish_reason": self._finish(),
+            "message": message,
+            "logprobs": None if self.want is None else {"content": self.logprobs},
+            "stop_reason": self.stop_reason,
+        }
+
+
+async def serve_chat(server: OpenAIServer, request: Request) -> Response:
+    req = await server.read_body(request, ChatCompletionRequest)
+    server.admit(0)  # draining or dead: refuse before rendering anything
+    opts = server.opts
+    mode, named = req.tool_mode(opts.tool_call_parser, opts.enable_auto_tool_choice)
+    grammar = None  # required or named calls: (field, the tool-call grammar)
+    if mode in ("required", "named"):
+        spec = tool_parser.tool_call_grammar(req.tool_dicts(), named, req.parallel_tool_calls)
+        grammar = ("tool_choice", StructuredOutput("structural_tag", spec))
+    text = await server.run_blocking(server.render_chat, req)
+    structured = await server.structured(req, grammar)
+    choices = await server.run_blocking(
+        server.choices, req, [text], req.output_limit, req.num_logprobs(), structured
+    )
+    server.admit(len(choices))  # each choice (n) is one engine request
+    outputs = [
+        ChatChoice(c, server.formatter, req, bool(opts.reasoning_parser), mode != "none")
+        for c in choices
+    ]
+    answer = Answer.of(server, req, "chat.completion", "chatcmpl-", outputs)
+    answer.prompt_logprobs_at_top = True
+    return await server.respond(request, req, answer)
