@@ -7,7 +7,7 @@
 
 An `Update` is what one request produced since its handler last read: a text delta and
 the new token ids (and logprobs). The engine keeps at most one pending Update per
-request and merges newer output into it (`Update.merge`), so a handler that reads
+request and merges newer output into it in place (async_engine.py), so a handler that reads
 slowly (a stalled stream) costs the size of its own output, never a queue of copies.
 """
 
