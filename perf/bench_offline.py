@@ -6,12 +6,10 @@ tokens/s counts the tokens after the first (HF: time(generate N) - time(generate
     python -m perf.bench_offline                      # the bundled model
     python -m perf.bench_offline --random-model       # random, the probe shape (docs/design.md)
     python -m perf.bench_offline --graph --graph-k 0 1 --batch-sizes 1 8 32   # graph mode
-    python -m perf.bench_offline --spec 0 1 2 3 --batch-sizes 1 8 32          # MTP sweep
 
 --graph: graph mode off and on for each --graph-k, medians of --repeats interleaved runs
-(results/bench_graph.json). --spec: held-out ShareGPT chat prompts, output tokens/s per k,
-speedup over k = 0, acceptance length and speedup / acceptance (results/bench_spec.json).
-What one step costs is perf/step_cost.py's.
+(results/bench_graph.json). MTP acceptance and speedup per k: perf/step_cost.py --measure and
+perf/mtp_sweep.py.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from perf.common import RESULTS, chat_prompts, command, machine, parser, write_json
+from perf.common import RESULTS, command, machine, parser, write_json
 from perf.step_cost import decode_run, prompts_for
 
 # The probe shape (docs/design.md section 6): 4 layers, hidden 256, 8 routed experts.
@@ -145,50 +143,6 @@ def bench_hf(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, dtyp
             "decode_tok_s": decoded / (total - prefill)}  # fmt: skip
 
 
-MIN_SPEC_PROMPTS = 8
-
-
-def bench_spec(model_dir: Path, batch: int, k: int, new_tokens: int, dtype: str) -> dict:
-    from xllm_py import LLM, SamplingParams
-
-    llm = LLM(model=str(model_dir), dtype=dtype, max_seqs_per_batch=batch, num_speculative_tokens=k)
-    # at batch 1 several prompts run one after another (max_seqs_per_batch=1)
-    texts = chat_prompts(llm.get_tokenizer(), max(batch, MIN_SPEC_PROMPTS) + 2, 20, 1500)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(texts[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
-    before = llm.get_metrics()
-    t0 = time.perf_counter()
-    outs = llm.generate(texts[2:], params)
-    dt = time.perf_counter() - t0
-    m = llm.get_metrics()
-    drafts, accepted = m.drafts - before.drafts, m.accepted_tokens - before.accepted_tokens
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {
-        "batch": batch, "k": k, "output_tokens": generated, "seconds": dt,
-        "output_tok_s": generated / dt,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-        "acceptance_rate": accepted / max(m.draft_tokens - before.draft_tokens, 1) if k else None,
-    }  # fmt: skip
-
-
-def run_spec_sweep(args, model_dir: Path) -> list[dict]:
-    rows = []
-    for b in args.batch_sizes:
-        base = None
-        for k in args.spec:
-            r = bench_spec(model_dir, b, k, args.new_tokens, args.dtype)
-            base = base or (r["output_tok_s"] if k == 0 else None)
-            if base:
-                r["speedup"] = r["output_tok_s"] / base
-                r["efficiency"] = r["speedup"] / r["mean_acceptance_length"]
-            rows.append(r)
-            print(f"batch {b:>3} k={k}: {r['output_tok_s']:8.1f} tok/s  speedup "
-                  f"{r.get('speedup', float('nan')):4.2f}x  accept len "
-                  f"{r['mean_acceptance_length']:4.2f}  efficiency "
-                  f"{r.get('efficiency', float('nan')):4.2f}", flush=True)  # fmt: skip
-    return rows
-
-
 FLAGS = [  # (flag, type, default, help)
     ("--model", Path, None, "checkpoint directory (None: the bundled model)"),
     ("--random-model", bool, False, "build and use a random model of docs/design.md's probe "
@@ -198,13 +152,11 @@ FLAGS = [  # (flag, type, default, help)
     ("--new-tokens", int, 128, "tokens generated per sequence"),
     ("--dtype", ("float32", "bfloat16"), "float32", "run dtype (both sides)"),
     ("--threads", int, 2, "torch threads (both sides)"),
-    ("--spec", int, None, "measure MTP speculation at these k (0: the baseline)",
-     {"nargs": "+", "metavar": "K"}),
     ("--graph", bool, False, "graph mode off vs on (and HF)"),
     ("--graph-k", int, [0], "with --graph: MTP draft tokens per step (0: plain decoding)"),
     ("--repeats", int, 3, "with --graph: runs per config"),
     ("--output", Path, None, "JSON result file (None: results/bench_offline.json, "
-     "bench_graph.json with --graph, bench_spec.json with --spec)"),
+     "bench_graph.json with --graph)"),
 ]  # fmt: skip
 
 
@@ -218,9 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         from xllm_py.assets import bundled_model
 
         model_dir = args.model or Path(bundled_model())
-    if args.spec:
-        rows, name, what = run_spec_sweep(args, model_dir), "bench_spec", "MTP speculative decoding"
-    elif args.graph:
+    if args.graph:
         rows, name, what = run_graph_comparison(args, model_dir), "bench_graph", "graph off vs on"
     else:
         rows, name, what = bench_plain(args, model_dir), "bench_offline", "vs HF generate"

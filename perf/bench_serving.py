@@ -14,7 +14,7 @@ the first chunk with output, ITL between output chunks (an MTP chunk can carry s
 tokens), E2EL to the last, TPOT = (E2EL - TTFT) / (output tokens - 1); token counts from
 the usage chunk. From /metrics before and after: speculative acceptance rate (percent),
 acceptance length (1 + accepted / drafts) and per-position acceptance. From Python:
-`run(argv)` returns the result dict, `sample_prompts(argv)` the prompt ids it sends.
+`run(argv)` returns the result dict.
 """
 
 from __future__ import annotations
@@ -390,11 +390,6 @@ def load_tokenizer(path: str | None):
     return tok
 
 
-def build_workload(args, tokenizer) -> list[SampleRequest]:
-    return sample_sharegpt(tokenizer, args.num_prompts, args.seed, args.dataset_path,
-                           args.input_len, args.output_len)  # fmt: skip
-
-
 def print_summary(result: dict[str, Any]) -> None:
     keys = [("Successful requests:", "completed"), ("Failed requests:", "failed"),
             ("Maximum request concurrency:", "max_concurrency"),
@@ -434,7 +429,9 @@ async def benchmark(args) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise ValueError(f"--extra-body={args.extra_body!r} must be a JSON object")
     tokenizer = load_tokenizer(args.tokenizer)
-    requests = build_workload(args, tokenizer)
+    requests = sample_sharegpt(
+        tokenizer, args.num_prompts, args.seed, args.dataset_path, args.input_len, args.output_len
+    )
     offsets = arrival_offsets(len(requests), args.request_rate, np.random.default_rng(args.seed))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(6 * 3600.0, connect=60.0)
@@ -520,13 +517,6 @@ def parse_args(argv: Sequence[str] | None = None):
     args = parser(__doc__, FLAGS).parse_args(argv)
     args.command = command("bench_serving", None if argv is None else list(argv))
     return args
-
-
-def sample_prompts(argv: Sequence[str]) -> list[list[int]]:
-    """Token ids of the prompts `run(argv)` sends, in order, as the server tokenizes them."""
-    args = parse_args(argv)
-    tokenizer = load_tokenizer(args.tokenizer)
-    return [tokenizer.encode(r.prompt) for r in build_workload(args, tokenizer)]
 
 
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:

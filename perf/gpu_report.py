@@ -22,13 +22,23 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from perf.common import RESULTS, close, command, md_table, parser, write_json
 from perf.oracle import install_oracle
-from perf.step_cost import LABELS, decode_run, profiled_split, prompts_for, sync
+from perf.step_cost import (
+    LABELS,
+    ByteModel,
+    byte_model,
+    decode_run,
+    profiled_split,
+    prompts_for,
+    step_bytes,
+    sync,
+)
 from tools.make_random_checkpoint import BASE_CONFIG, make_random_checkpoint
 
 PRESETS = {
@@ -72,51 +82,8 @@ BLOCK = 128  # KV cache block size (the engine's default)
 FORMATS = ["bf16", "fp8"]
 
 
-def param_counts(cfg: dict) -> dict:
-    """From config.json's fields: parameters of the target, of its MTP layers (embedding
-    and head are the target's), those one token reads at decode, of which `*proj` matrices
-    (what an FP8 checkpoint quantises) and float32 router."""
-    h, heads, kv_lora, rope = (
-        cfg[n] for n in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim")
-    )
-    qk, q_lora, v = cfg["qk_nope_head_dim"] + rope, cfg.get("q_lora_rank"), cfg["v_head_dim"]
-    attn = h * q_lora + q_lora * heads * qk if q_lora else h * heads * qk
-    attn += h * (kv_lora + rope) + kv_lora * heads * (qk - rope + v) + heads * v * h
-    norms = (q_lora or 0) + kv_lora + 2 * h  # MLA's two norms, the layer's two
-    experts, expert = cfg["n_routed_experts"], 3 * h * cfg["moe_intermediate_size"]
-    router = experts * h + experts
-    n, first = cfg["num_hidden_layers"], cfg.get("first_k_dense_replace", 0)
-
-    def is_moe(i: int) -> bool:
-        return experts > 0 and i >= first and i % cfg.get("moe_layer_freq", 1) == 0
-
-    def proj(i: int, active: bool) -> int:
-        if not is_moe(i):
-            return attn + 3 * h * cfg["intermediate_size"]
-        routed = cfg["num_experts_per_tok"] if active else experts
-        return attn + (cfg["n_shared_experts"] + routed) * expert
-
-    def layer(i: int, active: bool = False) -> int:
-        return proj(i, active) + norms + router * is_moe(i)
-
-    vocab_h, num_mtp = cfg["vocab_size"] * h, cfg.get("num_nextn_predict_layers", 0)
-    target = vocab_h * (1 if cfg.get("tie_word_embeddings") else 2) + h
-    target += sum(layer(i) for i in range(n))
-    mtp = sum(layer(i) + 2 * h * h + 3 * h for i in range(n, n + num_mtp))
-    return {
-        "target": target, "mtp": mtp, "total": target + mtp,
-        "active_per_token": h + sum(layer(i, True) for i in range(n)) + h + vocab_h,
-        "active_proj": sum(proj(i, True) for i in range(n)),
-        "float32_router": router * sum(map(is_moe, range(n))),
-    }  # fmt: skip
-
-
 def table_bandwidth(name: str) -> float | None:
     return next((bw for words, bw in PEAK_BANDWIDTH if all(w in name for w in words)), None)
-
-
-def millions(n: int) -> str:
-    return f"{n / 1e6:,.1f}M"
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -237,26 +204,22 @@ def resident_bytes(model) -> dict:
     return out
 
 
-def roofline(cfg, counts, args, itemsize: int, fp8_block, step_ms: float, peak: dict) -> dict:
-    """`fp8_block`: the block when the `*proj` matrices are held in FP8 (a float32 scale per
-    block), else None (held in the run dtype, of `itemsize` bytes)."""
-    proj_bytes = 1 + 4 / (fp8_block[0] * fp8_block[1]) if fp8_block else itemsize
-    router = counts["float32_router"]
-    rest = counts["active_per_token"] - counts["active_proj"] - router  # embedding row, norms, head
-    weights = counts["active_proj"] * proj_bytes + rest * itemsize + router * 4
-    context = args.prompt_len + args.new_tokens / 2  # mean context of the decode steps
-    kv = cfg["num_hidden_layers"] * context * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
-    kv_bytes = kv * itemsize
-    achieved = (weights + kv_bytes) / (step_ms / 1000)
+def roofline(bm: ByteModel, args, step_ms: float, peak: dict) -> dict:
+    """The bytes a batch-1 plain step reads (step_cost.step_bytes: one token reads top-k routed
+    experts per MoE layer; the latent KV over the mean context) / step time, against peak."""
+    one_token = {"target": {1: [bm.top_k] * len(bm.expert)}, "draft": {1: [bm.top_k]}}
+    b = step_bytes(bm, one_token, 1, 1.0, args.prompt_len + args.new_tokens / 2)
+    kv_bytes = bm.num_layers * b["kv"]
+    achieved = b["plain"] / (step_ms / 1000)
     return {
-        "weight_bytes_per_step": weights, "proj_bytes_per_parameter": proj_bytes,
-        "kv_bytes_per_step": kv_bytes, "step_ms": step_ms, "achieved_bytes_per_s": achieved,
+        "weight_bytes_per_step": b["plain"] - kv_bytes, "kv_bytes_per_step": kv_bytes,
+        "step_ms": step_ms, "achieved_bytes_per_s": achieved,
         "peak_bytes_per_s": peak["bytes_per_s"], "peak_source": peak["source"],
         "fraction_of_peak": achieved / peak["bytes_per_s"],
     }  # fmt: skip
 
 
-def bench_format(fmt: str, path: Path, args, device, dtype, counts, peak) -> dict:
+def bench_format(fmt: str, path: Path, args, device, dtype, peak) -> dict:
     cfg = json.loads((path / "config.json").read_text())
     plain, reference, rows, load_s = {}, {}, [], {}
     for k in [0] + args.k:
@@ -277,17 +240,17 @@ def bench_format(fmt: str, path: Path, args, device, dtype, counts, peak) -> dic
         "decode_tok_s": {b: row["decode_tok_s"] for b, row in plain.items()},
         "roofline_batch1": None, "runs": rows,
     }  # fmt: skip
+    fp8_held = any(n.startswith("float8") for n in held)
+    bm = byte_model(str(path), str(dtype).removeprefix("torch."), fp8_held=fp8_held)
+    out["byte_model"] = asdict(bm)
     if 1 in plain:
-        block = out["fp8_block"] if any(n.startswith("float8") for n in held) else None
-        step_ms = plain[1]["step_ms"]
-        out["roofline_batch1"] = roofline(cfg, counts, args, dtype.itemsize, block, step_ms, peak)
+        out["roofline_batch1"] = roofline(bm, args, plain[1]["step_ms"], peak)
     return out
 
 
 def print_table(result: dict) -> None:
     print(
-        f"\n{result['device']['name']}, {result['preset']} preset "
-        f"({millions(result['parameters']['total'])} parameters), run dtype "
+        f"\n{result['device']['name']}, {result['preset']} preset, run dtype "
         f"{result['run_dtype']}, prompt {result['prompt_len']}, {result['new_tokens']} new"
     )
     head = ["format", "k", "batch", "tok/s", "step ms", "tok/step", "cost", "agree"]
@@ -353,15 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.preset = args.preset or ("gpu" if cuda else "tiny")
     name = torch.cuda.get_device_name(device) if cuda else f"cpu {platform.machine()}"
     dtype = DeviceConfig(device=args.device, dtype=args.dtype).torch_dtype()
-    counts = param_counts(
-        dict(BASE_CONFIG, **PRESETS[args.preset]["overrides"], num_nextn_predict_layers=1)
-    )
-    print(
-        f"{name}: {args.preset} preset, {millions(counts['target'])} target + "
-        f"{millions(counts['mtp'])} MTP parameters, {millions(counts['active_per_token'])} read "
-        f"per token at batch 1; run dtype {dtype}",
-        flush=True,
-    )
+    print(f"{name}: {args.preset} preset, run dtype {dtype}", flush=True)
     peak = peak_bandwidth(args, device, name)
     print(f"peak bandwidth {peak['bytes_per_s'] / 1e9:.0f} GB/s: {peak['source']}", flush=True)
     result = {
@@ -377,7 +332,6 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "preset": args.preset,
         "config_overrides": PRESETS[args.preset]["overrides"],
-        "parameters": counts,
         "run_dtype": str(dtype).removeprefix("torch."),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -391,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
         work = args.work_dir or Path(tmp)
         for fmt in args.formats:
             path = checkpoint(work, args.preset, fmt, args.seed)
-            result["formats"][fmt] = bench_format(fmt, path, args, device, dtype, counts, peak)
+            result["formats"][fmt] = bench_format(fmt, path, args, device, dtype, peak)
     print_table(result)
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     suffix = "" if args.preset == "gpu" else f"-{args.preset}"

@@ -1,6 +1,6 @@
 """Baseline vs MTP serving sweep in one command: the table, a plot and all raw JSON.
 
-    python -m perf.mtp_sweep --scale cpu --k 1 2 --hf-peer
+    python -m perf.mtp_sweep --scale cpu --k 1 2
     python -m perf.mtp_sweep --scale full --model /models/DeepSeek-V3 \\
         --server-args "--devices=cuda:0 --draft_model /models/DeepSeek-V3-MTP"
 
@@ -93,45 +93,16 @@ def llama_cpp_method(args) -> tuple[Method, dict]:
     return method, {"gguf": str(gguf), "agreement": agreement}
 
 
-def hf_peer(args, n: int) -> dict:
-    """The first n benchmark prompts through HF transformers `generate`, one at a time."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from perf.bench_offline import hf_seconds
-
-    argv = bench_argv(args, "http://unused", 1, Path("/tmp"), "peer")
-    prompts = bench_serving.sample_prompts(argv)[:n]
-    path = args.model or str(bundled_model())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    out_len = lengths(args)[1]
-    times = [hf_seconds(model, torch.tensor([ids]), out_len) for ids in prompts]
-    tokens, seconds, ttfts = out_len * len(prompts), sum(t for _, t in times), [f for f, _ in times]
-    mean_ttft = sum(ttfts) / len(ttfts)
-    return {
-        "method": "HF transformers generate (offline, concurrency 1)", "num_prompts": len(prompts),
-        "output_throughput": tokens / seconds, "mean_ttft_ms": 1000 * mean_ttft,
-        "mean_tpot_ms": 1000 * (seconds / len(prompts) - mean_ttft) / (out_len - 1),
-    }  # fmt: skip
-
-
-def table(rows: list[dict], peer: dict | None) -> str:
+def table(rows: list[dict]) -> str:
     head = ["method", "concurrency", "mean TPOT (ms)", "mean TTFT (ms)", "output tok/s",
             "total tok/s", "speedup", "acceptance length", "ceiling", "failed"]  # fmt: skip
     acc, ceil = "spec_decode_acceptance_length", "ceiling"
-    out = md_table(head, [
+    return md_table(head, [
         [r["method"], r["concurrency"], f"{r['mean_tpot_ms']:.1f}", f"{r['mean_ttft_ms']:.1f}",
          f"{r['output_throughput']:.1f}", f"{r['total_token_throughput']:.1f}",
          f"{r['speedup']:.2f}x", "" if r[acc] is None else f"{r[acc]:.2f}",
          "" if r[ceil] is None else f"{r[ceil]:.2f}x", r["failed"]]
         for r in rows]) + "\n"  # fmt: skip
-    if peer:
-        out += (
-            f"\nPeer: {peer['method']} on the first {peer['num_prompts']} prompts: "
-            f"{peer['output_throughput']:.1f} output tok/s, mean TTFT "
-            f"{peer['mean_ttft_ms']:.1f} ms, mean TPOT {peer['mean_tpot_ms']:.1f} ms.\n"
-        )
-    return out
 
 
 def add_ceiling(args, rows: list[dict], input_len: int, output_len: int) -> dict | None:
@@ -211,6 +182,7 @@ FLAGS = [  # (flag, type, default, help)
     ("--output-len", int, 0, "output tokens (0: the preset's)"),
     ("--seed", int, 0, "prompt sampling seed"),
     ("--port", int, 8711, "port of the server"),
+    ("--result-dir", Path, RESULTS / "mtp_sweep", "output folder"),
     ("--server-args", str, "", "more flags for our daemon, one quoted string"),
     ("--launch", str, None, "command starting another server instead ({port}, {k})"),
     ("--launch-stop", str, None, "with --launch: command stopping what it started, for "
@@ -224,9 +196,6 @@ FLAGS = [  # (flag, type, default, help)
      "(pip install -e .[llamacpp]) and benchmark it the same way, with its greedy agreement"),
     ("--peer-prompts", int, 8, "prompts for the agreement"),
     ("--peer-tokens", int, 32, "greedy tokens per prompt for the agreement"),
-    ("--hf-peer", bool, False, "also time HF transformers generate, offline, one at a time"),
-    ("--hf-peer-prompts", int, 8, "prompts for the HF peer figure"),
-    ("--result-dir", Path, RESULTS / "mtp_sweep", "output folder"),
 ]  # fmt: skip
 
 
@@ -272,11 +241,10 @@ def main(argv: list[str] | None = None) -> dict:
                          "speedup": r["output_throughput"] / base["output_throughput"],
                          "ttft_ratio": r["mean_ttft_ms"] / base["mean_ttft_ms"], "ceiling": None,
                          **{key: r.get(key) for key in ROW_KEYS}})  # fmt: skip
-    peer = hf_peer(args, args.hf_peer_prompts) if args.hf_peer else None
     cmd = command("mtp_sweep", argv)
     summary = {
         "command": cmd, "scale": args.scale, "input_len": input_len, "output_len": output_len,
-        "machine": machine(), "rows": rows, "hf_peer": peer, "peer_engine": peer_engine,
+        "machine": machine(), "rows": rows, "peer_engine": peer_engine,
         "ceiling": add_ceiling(args, rows, input_len, output_len),
     }  # fmt: skip
     (args.result_dir / "sweep.json").write_text(json.dumps(summary, indent=2))
@@ -287,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
         "output tok/s over the baseline at the same concurrency, measured in this run. "
         "Ceiling = the batch-1 bandwidth bound on that speedup at the row's k and acceptance "
         "length (perf/step_cost.py; perf/README.md says how to read it).\n\n"
-        + table(rows, peer)
+        + table(rows)
         + peer_note(peer_engine)
     )
     (args.result_dir / "results.md").write_text(md)

@@ -10,7 +10,7 @@ ceiling(k) = acceptance_length / (verify(k+1 rows) + k x draft), costs in plain 
 pass costing the bytes it reads (weights in --dtype from the safetensors headers; latent KV
 over --context tokens; routed experts as routed on held-out ShareGPT prompts, measured by
 Router hooks over windows of 1..k+1 tokens). Acceptance lengths: from --results (sweep.json
-or a bench_offline --spec JSON, whose rows are also compared with the ceiling), --reuse, or
+or results/bench_spec.json, whose rows are also compared with the ceiling), --reuse, or
 measured here. --measure: ms per decode step for k = 0 and each --k, tokens per step, step
 cost measured vs modelled, and in eager mode the split of a step (attention, MoE, dense MLP,
 head, draft, other) that perf/gpu_report.py uses too.
@@ -69,9 +69,10 @@ def _config(path: str) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-def _headers(model_dir: str) -> dict[str, list[int]]:
-    """name -> shape of every checkpoint tensor the loader would read (the index's, so other
-    files beside it, e.g. a draft token map, are not counted), from the shards' headers."""
+def _headers(model_dir: str) -> dict[str, dict]:
+    """name -> header entry ({"dtype", "shape", ...}) of every checkpoint tensor the loader
+    would read (the index's, so other files beside it, e.g. a draft token map, are not
+    counted), from the shards' headers."""
     from xllm_py.weights.loader import tensor_files
 
     files = tensor_files(model_dir)
@@ -80,26 +81,35 @@ def _headers(model_dir: str) -> dict[str, list[int]]:
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
-        out.update({k: v["shape"] for k, v in header.items() if k in files})
+        out.update({k: v for k, v in header.items() if k in files})
     return out
 
 
 def byte_model(
-    model: str, dtype: str = "float32", draft_model: str | None = None, draft_vocab: int = 0
+    model: str,
+    dtype: str = "float32",
+    draft_model: str | None = None,
+    draft_vocab: int = 0,
+    fp8_held: bool = False,
 ) -> ByteModel:
-    """The bytes of each part a pass reads, from the checkpoint's (and draft's) headers."""
+    """The bytes of each part a pass reads, from the checkpoint's (and draft's) headers:
+    every tensor in `dtype`, or with `fp8_held` the checkpoint's FP8 ones at 1 byte plus
+    their float32 block scales (an FP8-resident engine; else scales are not counted)."""
     from xllm_py.models.deepseek_mtp import draft_name_map
 
     el, cfg = EL_BYTES[dtype], _config(model)
     N, E, hidden = cfg["num_hidden_layers"], cfg["n_routed_experts"], cfg["hidden_size"]
     n_mtp = _config(draft_model)["num_hidden_layers"] if draft_model else 0
     n_mtp = n_mtp or cfg.get("num_nextn_predict_layers", 0)
-    tensors = [(n, s, False) for n, s in _headers(model).items()]
-    tensors += [(n, s, True) for n, s in _headers(draft_model).items()] if draft_model else []
+    tensors = [(n, h, False) for n, h in _headers(model).items()]
+    tensors += [(n, h, True) for n, h in _headers(draft_model).items()] if draft_model else []
     parts: dict[tuple[str, int], int] = defaultdict(int)
-    for name, shape, exported in tensors:
-        if name.endswith(SCALES):
+    for name, header, exported in tensors:
+        scale = name.endswith(SCALES)
+        if scale and not fp8_held:
             continue
+        size = 4 if scale else 1 if fp8_held and header["dtype"].startswith("F8") else el
+        name = re.sub(r"_scale(_inv)?$", "", name) if scale else name  # where its weight is
         layer = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
         if exported or (layer and int(layer.group(1)) >= N):  # the MTP layers
             mapped = draft_name_map([name], N, n_mtp, exported)[name]
@@ -113,7 +123,7 @@ def byte_model(
             key = (name, 0)
         else:
             key = ("dense", 0)
-        parts[key] += math.prod(shape) * el
+        parts[key] += math.prod(header["shape"]) * size
     head = parts[("lm_head.weight", 0)] or parts[("model.embed_tokens.weight", 0)]  # tied
     moe = sorted(i for kind, i in parts if kind == "expert")
     return ByteModel(
@@ -134,7 +144,7 @@ def new_llm(model: str, k: int, dtype: str = "float32", draft_model: str | None 
 
 
 def held_out_prompts(llm, n: int) -> list[list[int]]:
-    """Token ids of n held-out ShareGPT chat prompts (as bench_offline --spec)."""
+    """Token ids of n held-out ShareGPT chat prompts, chat template applied."""
     return [
         llm.engine.tokenize_prompt(t)[1] for t in chat_prompts(llm.get_tokenizer(), n, 20, 1500)
     ]
@@ -237,8 +247,8 @@ def ceiling_row(bm: ByteModel, routing: dict, k: int, accept: float, context: in
 
 
 def measured_rows(path: Path) -> tuple[list[dict], dict]:
-    """Rows (k, where, acceptance_length, speedup) of a perf.mtp_sweep sweep.json or a
-    perf.bench_offline --spec JSON, and the file's input/output lengths if it has them."""
+    """Rows (k, where, acceptance_length, speedup) of a perf.mtp_sweep sweep.json or
+    results/bench_spec.json, and the file's input/output lengths if it has them."""
     data = json.loads(path.read_text())
     out = []
     for r in data.get("rows", []):
@@ -410,7 +420,7 @@ FLAGS = [  # (flag, type, default, help)
     ("--model", str, None, "checkpoint directory (None: the bundled model)"),
     ("--draft-model", str, None, "exported MTP draft, if separate"),
     ("--k", int, [1, 2, 3, 4], "draft counts"),
-    ("--results", Path, None, "sweep.json (perf.mtp_sweep) or perf.bench_offline --spec JSON: "
+    ("--results", Path, None, "sweep.json (perf.mtp_sweep) or results/bench_spec.json: "
      "acceptance lengths, measured speedups to compare, the context"),
     ("--prompts", int, 8, "held-out ShareGPT prompts to measure on"),
     ("--new-tokens", int, 64, "greedy tokens per prompt"),

@@ -1,7 +1,8 @@
 """python -m perf.gpu_report, end to end on CPU with the tiny preset: its JSON holds every figure
 the report promises (decode tok/s per batch, the step split, the batch-1 roofline, the MTP
 step cost with an oracle draft), with the values that must hold whatever this machine's
-speed; and its parameter count agrees with the checkpoint layout of our model classes."""
+speed; and its byte model (perf/step_cost.py's) agrees with the checkpoint layout of our
+model classes."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from perf import gpu_report
+from perf import gpu_report, step_cost
 from tools.make_random_checkpoint import BASE_CONFIG, tensor_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,17 +24,38 @@ BATCHES, KS, NEW_TOKENS = [1, 3], [1, 3], 8
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_report") / "report.json"
+    """(the JSON, what was printed, the work dir holding the checkpoints)."""
+    work = tmp_path_factory.mktemp("gpu_report")
     cmd = [sys.executable, "-m", "perf.gpu_report", "--preset", "tiny", "--device", "cpu"]
     cmd += ["--batch-sizes", *map(str, BATCHES), "--k", *map(str, KS), "--prompt-len", "8"]
-    cmd += ["--new-tokens", str(NEW_TOKENS), "--threads", "1", "--output", str(out)]
+    cmd += ["--new-tokens", str(NEW_TOKENS), "--threads", "1", "--output", str(work / "r.json")]
+    cmd += ["--work-dir", str(work)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text()), proc.stdout
+    return json.loads((work / "r.json").read_text()), proc.stdout, work
+
+
+def layout(preset: str) -> tuple[dict, int, int, int, int]:
+    """(config, target and MTP parameters by tools/make_random_checkpoint.py's layout, the
+    MTP layer's copies of the embedding and head left out; those of `*proj` matrices, the
+    ones an FP8 checkpoint quantises; their FP8 block scales at 32 x 32)."""
+    cfg = dict(BASE_CONFIG, **gpu_report.PRESETS[preset]["overrides"], num_nextn_predict_layers=1)
+    target = mtp = proj = scales = 0
+    for name, shape in tensor_shapes(cfg, 1).items():
+        size = math.prod(shape)
+        if name.startswith(f"model.layers.{cfg['num_hidden_layers']}."):
+            if not name.endswith(("embed_tokens.weight", "shared_head.head.weight")):
+                mtp += size
+        else:
+            target += size
+        if len(shape) == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight")):
+            proj += size
+            scales += math.ceil(shape[0] / 32) * math.ceil(shape[1] / 32)
+    return cfg, target, mtp, proj, scales
 
 
 def test_every_format_reports_decode_speed_and_where_fp8_weights_live(report):
-    result, _ = report
+    result = report[0]
     assert set(result["formats"]) == {"bf16", "fp8"}
     for fmt, res in result["formats"].items():
         assert res["weights_in_memory_dtype"] == result["run_dtype"] == "float32"
@@ -73,12 +96,19 @@ def test_oracle_runs_accept_every_draft_and_choose_the_plain_tokens(report):
 
 
 def test_roofline_at_batch_1(report):
-    result, _ = report
-    params = result["parameters"]
+    result, _, work = report
+    cfg, target, _, _, _ = layout("tiny")
     assert "measured" in result["peak_bandwidth"]["source"]  # no datasheet figure for a CPU
-    for res in result["formats"].values():
+    # one token reads one embedding row and top-k of the routed experts of each MoE layer
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    unread = (cfg["n_routed_experts"] - cfg["num_experts_per_tok"]) * 3 * cfg["hidden_size"]
+    unread = moe_layers * unread * cfg["moe_intermediate_size"]
+    unread += (cfg["vocab_size"] - 1) * cfg["hidden_size"]
+    for fmt, res in result["formats"].items():
+        bm = step_cost.byte_model(str(work / f"tiny-{fmt}"))  # float32, FP8 expanded at load
+        assert res["byte_model"] == json.loads(json.dumps(asdict(bm)))
         roof = res["roofline_batch1"]
-        assert roof["weight_bytes_per_step"] == 4 * params["active_per_token"]  # float32 run
+        assert roof["weight_bytes_per_step"] == 4 * (target - unread)  # float32 run
         assert roof["kv_bytes_per_step"] > 0
         assert 0 < roof["fraction_of_peak"] <= 1
 
@@ -89,30 +119,20 @@ def test_table_is_printed(report):
     assert "agree < 1" not in out
 
 
-@pytest.mark.parametrize("preset", sorted(gpu_report.PRESETS))
-def test_parameter_counts_match_the_checkpoint_layout(preset):
-    cfg = dict(BASE_CONFIG, **gpu_report.PRESETS[preset]["overrides"], num_nextn_predict_layers=1)
-    counts = gpu_report.param_counts(cfg)
-    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
-    target = mtp = proj = 0
-    for name, shape in tensor_shapes(cfg, 1).items():
-        size = math.prod(shape)
-        if name.startswith(f"model.layers.{n}."):
-            if not name.endswith(("embed_tokens.weight", "shared_head.head.weight")):
-                mtp += size  # (those two are copies of the target's)
-        else:
-            target += size
-            proj += size if name.endswith(("proj.weight", "proj_with_mqa.weight")) else 0
-    assert (counts["target"], counts["mtp"]) == (target, mtp)
-    # one token reads one embedding row and top-k of the routed experts of each MoE layer
-    moe_layers = n - cfg["first_k_dense_replace"]
-    unread = cfg["n_routed_experts"] - cfg["num_experts_per_tok"]
-    expert = 3 * h * cfg["moe_intermediate_size"]
-    embed_unread = (cfg["vocab_size"] - 1) * h
-    assert counts["active_per_token"] == target - embed_unread - moe_layers * unread * expert
-    assert counts["active_proj"] == proj - moe_layers * unread * expert
-    if preset == "gpu":
-        assert 1e9 <= counts["total"] <= 3e9
+def test_byte_model_counts_the_checkpoint_layout(report):
+    """Every tensor once (the MTP layer's copies of the embedding and head not), in the run
+    dtype; held in FP8, the `*proj` matrices at 1 byte plus a float32 scale per block."""
+    _, target, mtp, proj, scales = layout("tiny")
+    work = report[2]
+    for fmt in ("bf16", "fp8"):
+        assert step_cost.byte_model(str(work / f"tiny-{fmt}")).total_weights == 4 * (target + mtp)
+    held = step_cost.byte_model(str(work / "tiny-fp8"), "bfloat16", fp8_held=True)
+    assert held.total_weights == 2 * (target + mtp - proj) + proj + 4 * scales
+
+
+def test_gpu_preset_has_2_to_3_billion_parameters():
+    _, target, mtp, _, _ = layout("gpu")
+    assert 1e9 <= target + mtp <= 3e9
 
 
 def test_peak_bandwidth_by_device_name():
