@@ -25,9 +25,9 @@ DEADLINE_S = 240  # a rank that outlives this is killed (a hang guard, not a spe
 def use_parallel_workers(parallel: ParallelContext) -> None:
     """Every LLM built after this in the process holds this rank's shard (as a cluster
     node's worker does)."""
-    import xllm_py.executor.inproc as inproc
+    import xllm_py.worker.worker as worker  # engine_core.local_executor builds it from here
 
-    inproc.Worker = functools.partial(inproc.Worker, parallel=parallel)
+    worker.Worker = functools.partial(worker.Worker, parallel=parallel)
 
 
 def _rank_main(rank: int, port: int, ep_size: int, work: Callable, out_dir: Path) -> None:
