@@ -27,7 +27,8 @@ $(STAMP): pyproject.toml
 # Two pytest-xdist workers, a test file each at a time (module-scoped servers are started
 # once); PYTEST_WORKERS=0 runs the suite in this process, one test after another.
 PYTEST_WORKERS ?= 2
-# The tests marked `slow` (graph exactness at scale, about 30 minutes) are left out: `make test-slow`.
+# The tests marked `slow` (graph exactness at scale and 2-rank TP in graph mode, about 35 minutes)
+# are left out: `make test-slow`.
 test: setup
 	$(VPY) -m pytest tests -m "not slow" $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 

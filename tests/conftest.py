@@ -75,6 +75,8 @@ LONGEST_FILES = [
     "test_ray_launch.py",
     "test_train_tool.py",
     "test_mtp_sweep.py",
+    "test_grammar_limits.py",
+    "test_stream_backpressure.py",
 ]
 
 

@@ -19,7 +19,7 @@ import pytest
 from tests.server_utils import Server
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
-EXAMPLES_PER_OPERATION = 40  # plus the coverage phase's boundary cases: > 500 in all
+EXAMPLES_PER_OPERATION = 30  # plus the coverage phase's boundary cases: > 400 in all
 MIN_CASES = 500
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 # schemathesis's default checks are all of them; these are off, each for its reason

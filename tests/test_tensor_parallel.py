@@ -133,6 +133,9 @@ def _generate_in_graph_mode(path, parallel: ParallelContext):
     return generate(path, 1, parallel, enable_graph=True, graph_batch_sizes=[4])
 
 
+# Slow (about 2.5 minutes of compiling on 2 cores): `make test-slow`. `make test` keeps graph
+# mode on a tensor-parallel replica through tests/test_cluster.py's two-node graph test.
+@pytest.mark.slow
 def test_two_ranks_in_graph_mode_generate_like_one_eager_process(jobs, single, mtp_ckpt, tmp_path):
     """Graph mode (worker/graph_runner.py) on both ranks, all-reduces inside the graphs
     (the vocab-parallel embedding's among them; the logits gather runs outside): the
