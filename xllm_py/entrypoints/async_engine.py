@@ -237,10 +237,14 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread, then release the executors: a cluster's workers are
+        told why, and to exit non-zero when the engine failed."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        reason = f"the master's engine failed: {self.dead}" if self.dead else "master exiting"
+        self.engine.core.shutdown(reason, failure=self.dead is not None)
 
     async def generate(
         self, req_id: str, text: str | None, ids: list[int], sampling: SamplingParams

@@ -169,10 +169,7 @@ def run(server: DrainingServer, engine) -> int:
         asyncio.run(server.serve())
     finally:
         engine.draining = True
-        engine.shutdown()
-        # a cluster's workers exit with the master: non-zero after a failure
-        reason = f"the master's engine failed: {engine.dead}" if engine.dead else "master exiting"
-        engine.engine.core.shutdown(reason, failure=engine.dead is not None)
+        engine.shutdown()  # a cluster's workers exit with the master: non-zero after a failure
     if engine.dead is not None:
         return 1
     return 0 if server.started else 1
