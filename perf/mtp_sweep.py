@@ -10,8 +10,8 @@ prompts and settings, and stops it. --launch replaces our daemon with any comman
 and {k} substituted; it must serve /health; one that returns needs --launch-stop).
 Scales: full = 2500 in / 1500 out, 80 requests per level; cpu = 256 / 128,
 max(24, 2 x concurrency). Writes to --result-dir results.md (per method and concurrency:
-TPOT, TTFT, tokens/s, speedup over the baseline, acceptance length, the batch-1 ceiling of
-perf/step_cost.py), sweep.png, sweep.json and raw/ (each bench_serving JSON).
+TPOT, TTFT, tokens/s, speedup over the baseline, acceptance length and per draft position,
+the batch-1 ceiling of perf/step_cost.py), sweep.png, sweep.json and raw/ (bench_serving's).
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ PRESETS = {
     "full": {"input_len": 2500, "output_len": 1500, "prompts": lambda c: 80},
     "cpu": {"input_len": 256, "output_len": 128, "prompts": lambda c: max(24, 2 * c)},
 }  # fmt: skip
+POS = "spec_decode_per_position_acceptance_rates"  # [j - 1]: accepted at position j / drafts
 ROW_KEYS = ("mean_tpot_ms", "mean_ttft_ms", "output_throughput", "total_token_throughput",
             "failed", "completed", "spec_decode_acceptance_length",
-            "spec_decode_acceptance_rate")  # fmt: skip
+            "spec_decode_acceptance_rate", POS)  # fmt: skip
 
 
 @dataclass
@@ -95,12 +96,14 @@ def llama_cpp_method(args) -> tuple[Method, dict]:
 
 def table(rows: list[dict]) -> str:
     head = ["method", "concurrency", "mean TPOT (ms)", "mean TTFT (ms)", "output tok/s",
-            "total tok/s", "speedup", "acceptance length", "ceiling", "failed"]  # fmt: skip
+            "total tok/s", "speedup", "acceptance length", "acceptance at 1..k", "ceiling",
+            "failed"]  # fmt: skip
     acc, ceil = "spec_decode_acceptance_length", "ceiling"
     return md_table(head, [
         [r["method"], r["concurrency"], f"{r['mean_tpot_ms']:.1f}", f"{r['mean_ttft_ms']:.1f}",
          f"{r['output_throughput']:.1f}", f"{r['total_token_throughput']:.1f}",
          f"{r['speedup']:.2f}x", "" if r[acc] is None else f"{r[acc]:.2f}",
+         " / ".join(f"{x:.2f}" for x in r[POS] or ()),
          "" if r[ceil] is None else f"{r[ceil]:.2f}x", r["failed"]]
         for r in rows]) + "\n"  # fmt: skip
 
@@ -164,8 +167,7 @@ def plot(rows: list[dict], path: Path) -> None:
         b.plot(c, [r["mean_tpot_ms"] for r in rs], marker="o", label=method)
     for ax, title in ((a, "output tokens/s"), (b, "mean TPOT (ms)")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_title(title)
+        ax.set(xlabel="concurrency", title=title)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -203,8 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser(__doc__, FLAGS).parse_args(argv)
     if args.adaptive and args.launch:
         sys.exit("--adaptive runs our daemon with --speculative_adaptive; not with --launch")
-    raw = args.result_dir / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
+    (raw := args.result_dir / "raw").mkdir(parents=True, exist_ok=True)
     input_len, output_len = lengths(args)
     methods = [Method("baseline", "k0", server_command(args, 0))]
     methods += [Method(f"MTP k={k}", f"k{k}", server_command(args, k)) for k in args.k]
@@ -253,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"ShareGPT prompts cut/extended to {input_len} input tokens, {output_len} output tokens "
         "(ignore_eos), greedy; the same prompts and settings for every method. Speedup = "
         "output tok/s over the baseline at the same concurrency, measured in this run. "
+        "Acceptance at 1..k = the share of verification passes whose draft j was accepted. "
         "Ceiling = the batch-1 bandwidth bound on that speedup at the row's k and acceptance "
         "length (perf/step_cost.py; perf/README.md says how to read it).\n\n"
         + table(rows)

@@ -31,7 +31,7 @@ class OracleProposer:
             full = self.reference[tuple(req.token_ids[: req.num_prompt_tokens])]
             n = it.start + len(it.rows) + 1  # verified tokens + the one just sampled
             out.append(full[n : n + k] if it.wants_drafts else [])
-        return out
+        return out, [[1.0] * len(d) for d in out]  # scores: the oracle is sure of each
 
 
 def install_oracle(llm, reference: dict, k: int) -> list[int]:

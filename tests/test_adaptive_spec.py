@@ -1,7 +1,10 @@
 """Adaptive speculation (--speculative_adaptive, speculative/adaptive.py): the controller picks
 the k with the most tokens per second from what it measured, per batch size; the
 engine stays lossless whatever k each step carries, including k = 0 steps that skip
-the MTP pass. The ShareGPT lossless bar at batch 1/8/64 is in test_spec_sharegpt.py."""
+the MTP pass. Confidence-scheduled draft length (--speculative_confidence,
+speculative/confidence.py): scores calibrated into chances, runs cut at a fixed threshold
+or where a row stops paying for itself. The ShareGPT lossless bar at batch 1/8/64 is in
+test_spec_sharegpt.py."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from xllm_py.engine.scheduler import Scheduler
 from xllm_py.executor.messages import NewRequestData, SchedulerOutput
 from xllm_py.sampling_params import SamplingParams
 from xllm_py.speculative.adaptive import EXPLORE_EVERY, AdaptiveSpeculation, batch_bucket
+from xllm_py.speculative.confidence import ConfidencePolicy
 
 
 def simulate(ctl: AdaptiveSpeculation, batches, cost, accept: float, steps: int) -> list[int]:
@@ -164,3 +168,59 @@ def test_adaptive_engine_reports_its_choices(ckpt, prompts, baseline):  # noqa: 
     assert len(spec.adaptive_k) == 1 and 0 <= spec.adaptive_k[0] <= 2
     # every k was tried while the controller measured the first batch size it saw
     assert len(spec.steps_by_k) == 3 and all(n > 0 for n in spec.steps_by_k)
+
+
+# ---- confidence-scheduled draft length (speculative/confidence.py) ------------------------------
+
+
+def calibrated(policy: ConfidencePolicy, rates: dict[float, float], steps: int = 200):
+    """Feed the policy verdicts of first drafts: a draft scored s is accepted at rates[s]
+    (deterministic pattern); second drafts are always accepted."""
+    for step in range(steps):
+        results = []
+        for score, rate in rates.items():
+            accepted = 2 if (step * rate) % 1 + rate >= 1 else 0
+            results.append(([score, 0.95], accepted))
+        policy.observe_acceptance(results)
+
+
+def test_confidence_is_calibrated_and_a_fixed_threshold_cuts_runs():
+    policy = ConfidencePolicy(2, threshold=0.5)
+    # unmeasured bins are optimistic: their drafts are verified (and so measured)
+    assert policy.plan([[0.15, 0.95]]) == [2]
+    calibrated(policy, {0.95: 0.9, 0.15: 0.1})
+    assert policy.chance(0, 0.95) == pytest.approx(0.9, abs=0.05)
+    assert policy.chance(0, 0.15) == pytest.approx(0.1, abs=0.05)
+    # sure first drafts keep their run; an unsure one ends it at once
+    assert policy.plan([[0.95, 0.95], [0.15, 0.95], []]) == [2, 0, 0]
+
+
+def test_auto_threshold_follows_the_cost_of_a_row():
+    def fed(row_cost: float) -> ConfidencePolicy:
+        policy = ConfidencePolicy(3, threshold="auto")
+        calibrated(policy, {0.95: 0.9, 0.55: 0.5, 0.15: 0.1})
+        for step in range(64):  # decode steps of 8 requests, 8..32 rows
+            rows = 8 + step % 25
+            policy.observe_step(8, rows, 0.010 + 0.001 * 8 + row_cost * rows)
+        return policy
+
+    runs = [[0.95, 0.95, 0.95], [0.55, 0.95, 0.95], [0.15, 0.95, 0.95]]
+    # rows nearly free (a memory-bound step): every run goes deep, even unsure ones
+    cheap = fed(0.00001)
+    assert cheap.plan(runs) == [3, 3, 3] and cheap.drafting(8)
+    # a row costs about what a step costs per request: only the sure drafts pay
+    dear = fed(0.004)
+    take = dear.plan(runs)
+    assert take[0] >= 1 and take[2] == 0 and take[0] >= take[1] >= take[2]
+    # rows are all that costs: not even a sure draft pays, so the step drafts nothing
+    assert not fed(0.05).drafting(8)
+
+
+def test_confidence_scheduling_is_lossless_and_cuts_drafts(ckpt, prompts, baseline):  # noqa: F811
+    """A fixed threshold on the random test checkpoint (whose drafts are rarely accepted):
+    once measured, its drafts are cut, and the tokens are the plain run's."""
+    tokens, llm = generate(ckpt, prompts, num_speculative_tokens=3, speculative_confidence="0.5")
+    assert tokens == baseline
+    every, off = generate(ckpt, prompts, num_speculative_tokens=3, speculative_confidence="off")
+    assert every == baseline
+    assert 0 < llm.get_metrics().draft_tokens < off.get_metrics().draft_tokens / 2

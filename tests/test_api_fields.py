@@ -2,7 +2,7 @@
 daemon (MTP on): honoured, ignored and unknown fields answer 200, refused ones a 400 that
 names the field; an unknown field is logged once per name. Also continuous usage stats,
 truncate_prompt_tokens, echo, prompt_logprobs, max_tokens 0, /tokenize, /detokenize and
-/version in vLLM's shapes."""
+/version in vLLM's shapes, and usage.speculative against /metrics."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import re
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
-from tests.server_utils import Server
+from tests.server_utils import Server, assert_spec_counted, spec_totals
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "api_fields.md"
 HI = [{"role": "user", "content": "Hi"}]
@@ -108,6 +109,39 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server):
     assert counts == sorted(counts) and counts[-1] == 6
     prompt = httpx.post(server.url + "/tokenize", json={"prompt": "Hello"}, timeout=60).json()
     assert {e["usage"]["prompt_tokens"] for e in events} == {prompt["count"]}
+    drafted = [e["usage"]["speculative"]["draft_tokens"] for e in events]  # MTP is on
+    assert drafted == sorted(drafted)
+
+
+def test_usage_speculative_is_what_the_metrics_counted(server):
+    """With MTP on, usage.speculative of a whole answer, of a stream's usage chunk and of n
+    choices (summed) holds the draft tokens the engine verified for it and how many it
+    accepted, as /metrics counted them; each finished request that had drafts adds one
+    entry to the per-request acceptance-rate histogram."""
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    model = c.models.list().data[0].id
+    msgs = [{"role": "user", "content": "Tell me about the moon."}]
+    ask = {"model": model, "max_tokens": 24, "temperature": 0}
+
+    def streamed():
+        opts = {"include_usage": True}
+        chunks = list(
+            c.chat.completions.create(messages=msgs, stream=True, stream_options=opts, **ask)
+        )
+        assert chunks[-1].choices == [] and all(ch.usage is None for ch in chunks[:-1])
+        return chunks[-1].usage
+
+    answers = [
+        (lambda: c.chat.completions.create(messages=msgs, **ask).usage, 1),
+        (lambda: c.completions.create(prompt="Once upon a time", n=2, seed=3, **ask).usage, 2),
+        (streamed, 1),
+    ]
+    drafted = 0
+    for answer, n in answers:
+        before = spec_totals(server.url)
+        usage = answer()
+        drafted += assert_spec_counted(usage.speculative, before, spec_totals(server.url), n)
+    assert drafted > 0
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
@@ -212,7 +246,12 @@ def test_max_tokens_zero_scores_a_prompt_of_the_whole_context(server):
     r = post(server, "/v1/completions", prompt=full, max_tokens=0, echo=True, logprobs=0)
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["usage"] == {"prompt_tokens": 256, "completion_tokens": 0, "total_tokens": 256}
+    assert body["usage"] == {
+        "prompt_tokens": 256,
+        "completion_tokens": 0,
+        "total_tokens": 256,
+        "speculative": {"draft_tokens": 0, "accepted_tokens": 0},  # MTP on, nothing drafted
+    }
     assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == 256
     assert body["choices"][0]["finish_reason"] == "length"
     bad = {

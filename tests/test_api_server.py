@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import Server
+from tests.server_utils import Server, assert_spec_counted, spec_totals
 from xllm_py import LLM, SamplingParams
 
 PROMPTS = [
@@ -81,9 +81,13 @@ def test_chat_and_streaming_with_usage(mtp_server):
     c = client(mtp_server)
     model = c.models.list().data[0].id
     msgs = [{"role": "user", "content": "Tell me about the moon."}]
+    before = spec_totals(mtp_server.url)
     full = c.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=0)
     assert full.choices[0].message.role == "assistant"
     assert full.usage.completion_tokens == 20 and full.choices[0].finish_reason == "length"
+    # usage.speculative: this request's drafts (adaptive k may be 0 throughout), as counted
+    mid = spec_totals(mtp_server.url)
+    assert_spec_counted(full.usage.speculative, before, mid)
     stream = c.chat.completions.create(
         model=model,
         messages=msgs,
@@ -97,6 +101,7 @@ def test_chat_and_streaming_with_usage(mtp_server):
     assert text == full.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 20
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert_spec_counted(chunks[-1].usage.speculative, mid, spec_totals(mtp_server.url))
     # completions stream: same text as the non-streamed call
     one = c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0)
     parts = c.completions.create(
@@ -186,6 +191,7 @@ def test_prometheus_metrics_after_traffic(mtp_server):
         "xllm:spec_decode_num_accepted_tokens_per_pos_total",
         "xllm:spec_decode_adaptive_k",
         "xllm:spec_decode_adaptive_steps_total",
+        "xllm:spec_decode_request_acceptance_rate_bucket",
     ]:
         assert f"\n{name}{{" in text, name
     assert "# HELP xllm:spec_decode_num_drafts_total Verification passes" in text
@@ -193,6 +199,10 @@ def test_prometheus_metrics_after_traffic(mtp_server):
     assert mtp_server.metric("xllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
     assert mtp_server.metric("xllm:spec_decode_adaptive_k", replica="0") in (0, 1, 2)
     assert mtp_server.metric("xllm:spec_decode_adaptive_steps_total", k="2") > 0
+    # per-request acceptance rates in [0, 1]: every finished request is in the le="1.0" bucket
+    rates = "xllm:spec_decode_request_acceptance_rate"
+    finished = mtp_server.metric(rates + "_count")
+    assert finished >= 1 and mtp_server.metric(rates + "_bucket", le="1.0") == finished
     assert mtp_server.metric("xllm:request_success_total", finished_reason="length") >= 1
     assert mtp_server.metric("xllm:generation_tokens_total") >= 12
 
@@ -284,6 +294,7 @@ def test_bad_input_matrix(plain_server):
     # and the server keeps serving
     ok = _raw(plain_server, "/v1/completions", {"prompt": P, "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert "speculative" not in ok.json()["usage"]  # MTP off
 
 
 def test_api_key(plain_server):
@@ -582,7 +593,8 @@ def test_engine_failure_fails_requests_and_exits_nonzero(monkeypatch):
 
 def test_health_answers_while_a_step_runs(monkeypatch):
     """The engine runs on its own thread: while a step is stuck (here: a step that waits
-    for the test's signal), /health and /metrics still answer."""
+    for the test's signal), /health and /metrics still answer. (MTP on, usage.speculative
+    turned off: the answer's usage has no such key.)"""
     import threading
 
     from xllm_py.engine.llm_engine import LLMEngine
@@ -596,7 +608,7 @@ def test_health_answers_while_a_step_runs(monkeypatch):
         return real_step(self)
 
     monkeypatch.setattr(LLMEngine, "step", slow_step)
-    server = InProcessServer()
+    server = InProcessServer("--num_speculative_tokens=1", "--report_speculative_usage=false")
     with httpx.Client(base_url=server.url, timeout=60) as c:
         done = {}
         t = threading.Thread(
@@ -613,4 +625,5 @@ def test_health_answers_while_a_step_runs(monkeypatch):
         release.set()
         t.join(60)
     assert done["r"].json()["usage"]["completion_tokens"] == 4
+    assert "speculative" not in done["r"].json()["usage"]
     assert server.stop() == 0

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_utils import ROOT, free_port, free_port_range, wait_healthy
+from tests.server_utils import ROOT, free_port, free_port_range, spec_totals, wait_healthy
 from xllm_py import LLM, SamplingParams
 from xllm_py.cluster import cluster_pb2 as pb
 from xllm_py.cluster.health import POLL_INTERVAL_S
@@ -245,14 +245,18 @@ def offline_greedy():
     return [o.outputs[0].text for o in outs]
 
 
-def complete(url: str, prompt: str) -> str:
+def completion(url: str, prompt: str) -> dict:
     r = httpx.post(
         url + "/v1/completions",
         json={"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
         timeout=120,
     )
     r.raise_for_status()
-    return r.json()["choices"][0]["text"]
+    return r.json()
+
+
+def complete(url: str, prompt: str) -> str:
+    return completion(url, prompt)["choices"][0]["text"]
 
 
 def replica_steps(cluster: Cluster) -> int:
@@ -280,12 +284,22 @@ LAYOUTS = {
 )
 def test_two_node_greedy_equals_one_node(layout, k, offline_greedy):
     """Every output is the offline API's; the worker served steps (as replica 1, or as rank
-    1 of the one replica); SIGTERM on the master stops the worker too, both exit 0."""
+    1 of the one replica); with MTP, each answer's usage.speculative (from whichever replica
+    served it) adds up to the merged /metrics; SIGTERM on the master stops the worker too,
+    both exit 0."""
     with Cluster("--dtype=float32", f"--num_speculative_tokens={k}", layout=LAYOUTS[layout]) as c:
         c.wait_healthy()
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            got = list(pool.map(lambda p: complete(c.url, p), PROMPTS))
-        assert got == offline_greedy
+            got = list(pool.map(lambda p: completion(c.url, p), PROMPTS))
+        assert [g["choices"][0]["text"] for g in got] == offline_greedy
+        spec = [g["usage"].get("speculative") for g in got]
+        if k:
+            drafts, accepted, finished, _ = spec_totals(c.url)
+            assert sum(s["draft_tokens"] for s in spec) == drafts > 0
+            assert sum(s["accepted_tokens"] for s in spec) == accepted
+            assert finished == sum(s["draft_tokens"] > 0 for s in spec)
+        else:
+            assert spec == [None] * len(PROMPTS)
         assert replica_steps(c) > 0, "the worker served no step"
         c.master.proc.send_signal(signal.SIGTERM)
         assert c.master.wait(60) == 0

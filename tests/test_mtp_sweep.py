@@ -44,8 +44,12 @@ def test_sweep_writes_table_plot_and_json(tmp_path):
     assert mtp["speedup"] == mtp["output_throughput"] / base["output_throughput"]
     assert base["spec_decode_acceptance_length"] is None
     assert 1.0 <= mtp["spec_decode_acceptance_length"] <= 2.0
+    # acceptance per draft position (k = 1: one), which the acceptance length is made of
+    assert base[mtp_sweep.POS] is None and len(mtp[mtp_sweep.POS]) == 1
+    assert mtp["spec_decode_acceptance_length"] == pytest.approx(1 + sum(mtp[mtp_sweep.POS]))
     md = (tmp_path / "results.md").read_text()
-    assert "| MTP k=1 | 2 |" in md and "speedup" in md
+    assert "| MTP k=1 | 2 |" in md and "speedup" in md and "acceptance at 1..k" in md
+    assert f"| {mtp[mtp_sweep.POS][0]:.2f} |" in md
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "sweep.json").read_text())["machine"]["cores"]
 

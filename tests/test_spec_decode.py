@@ -62,10 +62,11 @@ def with_oracle(llm, prompts, baseline, k):
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_mtp_drafts_are_lossless(ckpt, prompts, baseline, k):
-    tokens, llm = generate(ckpt, prompts, num_speculative_tokens=k)
+    tokens, llm = generate(ckpt, prompts, num_speculative_tokens=k, speculative_confidence="off")
     assert tokens == baseline
     m = llm.get_metrics()
-    # k drafts per pass, fewer only where max_tokens leaves less room (the last pass)
+    # k drafts per pass (confidence scheduling off), fewer only where max_tokens leaves less
+    # room (the last pass)
     assert m.drafts > 0 and k * m.drafts - k * len(prompts) <= m.draft_tokens <= k * m.drafts
 
 
@@ -84,6 +85,12 @@ def test_oracle_draft_is_always_accepted(ckpt, prompts, baseline, k):
     assert k * m.drafts - k * len(prompts) <= m.draft_tokens
     assert m.mean_acceptance_length == pytest.approx(1 + m.draft_tokens / m.drafts)
     assert m.mean_acceptance_length > k + 1 - 0.5
+    # per request (RequestOutput): every draft accepted, the counts add up to the totals,
+    # and each request's acceptance rate (1.0) is in the histogram's last bucket
+    assert all(o.num_accepted_tokens == o.num_draft_tokens > 0 for o in outs)
+    assert sum(o.num_draft_tokens for o in outs) == m.draft_tokens
+    assert m.acceptance_buckets == [0] * 10 + [len(prompts)]
+    assert m.acceptance_sum == len(prompts) == m.finished_requests
 
 
 @pytest.mark.parametrize(
@@ -187,6 +194,13 @@ def test_acceptance_counters_per_position():
     assert s.accepted_per_position == [2, 1, 0]
     assert s.acceptance_rate == pytest.approx(3 / 7)
     assert s.mean_acceptance_length == pytest.approx(1 + 3 / 3)
+    # finished requests' acceptance rates: each in the first bucket (0.0, 0.1, ..., 1.0)
+    # that holds it, exactly on a bound included; none without drafts
+    for drafts, accepted in [(5, 0), (10, 1), (3, 1), (7, 7), (0, 0), (30, 3)]:
+        s.record_request(drafts, accepted)
+    assert s.acceptance_buckets == [1, 2, 0, 0, 1, 0, 0, 0, 0, 0, 1]
+    assert s.acceptance_sum == pytest.approx(0 + 0.1 + 1 / 3 + 1 + 0.1)
+    assert s.finished_requests == 5
 
 
 def with_eos(ckpt, eos: int, work):

@@ -2,16 +2,21 @@
 MTP draft, thousands of sampled continuations of one prompt per arm, and at every
 generated position the token distribution of speculative decoding (k = 1 and 3, and
 k = 2 in the graph-mode, tensor-parallel and hot-vocabulary runs) equals plain
-decoding's (chi-square homogeneity test, tests/chisquare.py). Settings: temperature 0.7
-with top-k and top-p, temperature 1.2 with min-p, temperature 0.3, temperature 0.8 with
-presence, frequency and repetition penalties.
+decoding's (chi-square homogeneity test, tests/chisquare.py). The requests are unseeded,
+so their drafts are sampled from the draft's processed distribution q and verified with
+min(1, p/q) and the residual (worker/draft_sampler.py; the default drafting). Settings:
+temperature 1.0, temperature 0.7 with top-k and top-p 0.9, temperature 1.2 with min-p
+0.05, temperature 0.8 with presence, frequency and repetition penalties, and temperature
+1.0 under a JSON-schema grammar; the hot-vocabulary run restricts q to the hot tokens.
 
 The threshold is calibrated by plain against plain (two seeds): it passes, while a
 verifier that judges drafts by an unnormalised min-p distribution, or by the raw softmax
-instead of the processed one, fails here by many orders of magnitude. Position 0 comes
-from the prefill (no draft is involved); positions 1..4 come through verification, with
-accepted runs, rejections and bonus tokens all occurring. One setting also runs on a
-2-process tensor-parallel engine (gloo), and one in graph mode, against the in-process
+instead of the processed one, fails here by many orders of magnitude. Verifying sampled
+drafts as if they were greedy (one-hot q) stays exact given the draft, so it passes
+here; it is caught by the acceptance rate in tests/test_rejection_sampler.py. Position 0
+comes from the prefill (no draft is involved); positions 1..4 come through verification,
+with accepted runs, rejections and bonus tokens all occurring. One setting also runs on
+a 2-process tensor-parallel engine (gloo), and one in graph mode, against the in-process
 plain samples.
 """
 
@@ -24,19 +29,22 @@ import pytest
 from tests.chisquare import ALPHA, homogeneity
 from tests.ranks import run_ranks, use_parallel_workers
 from xllm_py import LLM, SamplingParams
+from xllm_py.sampling_params import StructuredOutput
 from xllm_py.sharegpt import held_out_user_turns
 
-SAMPLES = 1500  # per arm
+SAMPLES = 2000  # per arm
 MAX_TOKENS = 5  # k = 3 drafts fit after the prefill's token
 BLOCK = 16
 SETTINGS = {
-    "t0.7-topk12-topp0.85": dict(temperature=0.7, top_k=12, top_p=0.85),
+    "t1.0": dict(temperature=1.0),
+    "t0.7-topk12-topp0.9": dict(temperature=0.7, top_k=12, top_p=0.9),
     "t1.2-minp0.05": dict(temperature=1.2, min_p=0.05),
-    "t0.3": dict(temperature=0.3),
     # penalties over the output so far: a verification row must count the drafts before it
     "t0.8-penalties": dict(
         temperature=0.8, presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.3
     ),
+    # a JSON schema: drafts and verification rows both follow the grammar's state
+    "t1.0-json": dict(temperature=1.0, structured=StructuredOutput("json", '{"type": "string"}')),
 }
 
 
@@ -107,6 +115,7 @@ def test_plain_against_plain_passes_the_threshold(ids, plain, setting):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_speculative_sampling_keeps_the_distribution(ids, plain, setting, k):
     spec, llm = sample(ids, setting, k, seed=10 + k)
+    assert llm.engine.core.executor.worker.runner.draft_sampler is not None  # sampled drafts
     m = llm.get_metrics()
     # both verification outcomes occur: drafts are accepted and drafts are rejected
     assert 0 < m.accepted_tokens < m.draft_tokens

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""How often a checkpoint's MTP head predicts the target's own next-next token.
+"""How often a checkpoint's MTP head predicts the target's own next-next token, and how
+often the engine accepts its drafts.
 
     python tools/eval_mtp_agreement.py --model xllm_py/assets/tiny-deepseek-v3-mtp --prompts 50
+    python tools/eval_mtp_agreement.py --model DIR --engine --prompts 40 --new-tokens 48
 
 For held-out ShareGPT conversations (the training tool holds out every 50th),
 the first user turn is rendered with the chat template, the target model
@@ -10,8 +12,18 @@ continuation, the MTP head gets the target's hidden state h_i and token t_{i+1}
 and its top-1 is compared with t_{i+2}. That is the acceptance rate of a
 greedy one-token MTP draft. Also prints the held-out continuations.
 
+With --depth K, draft depths 2..K too (tools/distill_mtp.py's chain: depth j runs the
+layer on its own depth j - 1 output and the target's token, as served when the drafts
+before it were accepted), teacher-forced on the target's greedy continuations.
+
 Uses HF transformers for the target and the training tool's MTP module (an
 evaluation tool, independent of the engine). Writes JSON with --output.
+
+--engine instead measures the engine itself: the held-out prompts one at a time (batch
+1), --new-tokens each, EOS ignored, confidence scheduling off (every draft verified), at
+each --k: greedy requests, and at temperature 1 with sampled and with greedy drafts
+(unseeded requests, the engine seeded). Prints the mean acceptance length (1 + accepted /
+drafts) and the acceptance at each draft position (accepted there / drafts).
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ from safetensors import safe_open
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tools.train_tiny_model import MTPLayer, mtp_states  # noqa: E402
+from tools.train_tiny_model import MTPLayer  # noqa: E402
 from xllm_py.sharegpt import held_out_user_turns  # noqa: E402
 from xllm_py.weights.loader import tensor_files  # noqa: E402
 
@@ -65,17 +77,18 @@ def load_mtp(model_dir: Path, cfg) -> MTPLayer:
 
 
 @torch.inference_mode()
-def evaluate(model_dir: Path, n_prompts: int, new_tokens: int, show: int) -> dict:
+def evaluate(model_dir: Path, n_prompts: int, new_tokens: int, show: int, depth: int = 1) -> dict:
     from tokenizers import Tokenizer
     from transformers import DeepseekV3ForCausalLM
+
+    from tools.distill_mtp import agreement_on
 
     model = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     cfg = model.config
     mtp = load_mtp(model_dir, cfg)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     eos = cfg.eos_token_id
-    agree = total = 0
-    samples = []
+    seqs, first, samples = [], [], []
     for k, prompt in enumerate(held_out_user_turns(n_prompts, 0, 2000)):
         text = f"<|bos|><|user|>\n{prompt}\n<|assistant|>\n"
         ids = tok.encode(text, add_special_tokens=False).ids[-512:]
@@ -87,33 +100,57 @@ def evaluate(model_dir: Path, n_prompts: int, new_tokens: int, show: int) -> dic
             pad_token_id=eos,
         )
         seq = gen[0].tolist()
-        cont = seq[len(ids) :]
         if k < show:
-            samples.append({"prompt": prompt[:300], "continuation": tok.decode(cont)})
-        hidden = model.model(input_ids=torch.tensor([seq])).last_hidden_state  # [1, S, H]
-        # positions i whose next-next token is part of the continuation: i + 2 >= len(ids)
-        first = len(ids) - 2
-        last = len(seq) - 3
-        if last < first:
-            continue
-        pos = torch.arange(first, last + 1)
-        # The MTP block attends over its own earlier positions, so it runs on the whole prefix.
-        full_pos = torch.arange(0, last + 1)
-        hf = hidden[:, full_pos]
-        nf = torch.tensor([seq])[:, full_pos + 1]
-        x = mtp_states(model, mtp, hf, model.model.embed_tokens(nf))
-        pred = model.lm_head(x).argmax(-1)[0, first:]
-        target = torch.tensor(seq)[pos + 2]
-        agree += int((pred == target).sum())
-        total += len(pos)
+            samples.append({"prompt": prompt[:300], "continuation": tok.decode(seq[len(ids) :])})
+        if len(seq) - len(ids) >= 2 + depth:  # something for every depth to predict
+            seqs.append(seq)
+            first.append(len(ids))
+    # Row i of depth j predicts token i + j + 1 (the MTP block attends over its own
+    # earlier positions, so it runs on the whole sequence); rows predicting a generated
+    # token count.
+    agreement = agreement_on(model, mtp, seqs, first, depth)
     return {
         "model": str(model_dir),
         "prompts": n_prompts,
         "new_tokens": new_tokens,
-        "positions": total,
-        "mtp_top1_agreement": agree / max(total, 1),
+        "mtp_top1_agreement": agreement[0],
+        "mtp_top1_agreement_per_depth": agreement,
         "samples": samples,
     }
+
+
+def engine_acceptance(model_dir: Path, n_prompts: int, new_tokens: int, ks: list[int]) -> dict:
+    from xllm_py import LLM, SamplingParams
+
+    rows = []
+    arms = [("greedy", 0.0, "sampled"), ("T=1, sampled drafts", 1.0, "sampled")]
+    arms.append(("T=1, greedy drafts", 1.0, "greedy"))
+    for k in ks:
+        for name, temperature, drafting in arms:
+            llm = LLM(
+                model=str(model_dir), dtype="float32", num_speculative_tokens=k, seed=0,
+                max_seqs_per_batch=1, speculative_confidence="off",
+                speculative_draft_sampling=drafting,
+            )  # fmt: skip
+            tok = llm.get_tokenizer()
+            prompts = [
+                tok.apply_chat_template([{"role": "user", "content": t}])
+                for t in held_out_user_turns(n_prompts, 0, 2000)
+            ]
+            sp = SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True)
+            llm.generate(prompts, sp)
+            m = llm.get_metrics()
+            per_position = [a / max(m.drafts, 1) for a in m.accepted_per_position]
+            rows.append(
+                {"k": k, "arm": name, "acceptance_length": m.mean_acceptance_length,
+                 "per_position": per_position, "drafts": m.drafts}
+            )  # fmt: skip
+            print(
+                f"k={k} {name:<22} acceptance length {m.mean_acceptance_length:.3f}  "
+                f"per position {' / '.join(f'{a:.2f}' for a in per_position)}",
+                flush=True,
+            )
+    return {"model": str(model_dir), "prompts": n_prompts, "new_tokens": new_tokens, "rows": rows}
 
 
 def main() -> None:
@@ -126,15 +163,23 @@ def main() -> None:
     ap.add_argument("--show", type=int, default=3, help="continuations to print")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--output", type=Path, help="write the result as JSON here")
+    ap.add_argument("--depth", type=int, default=1, help="draft depths to evaluate (chained)")
+    ap.add_argument("--engine", action="store_true", help="measure the engine's acceptance")
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 3], help="with --engine: drafts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    res = evaluate(args.model, args.prompts, args.new_tokens, args.show)
+    if args.engine:
+        res = engine_acceptance(args.model, args.prompts, args.new_tokens, args.k)
+        if args.output:
+            args.output.write_text(json.dumps(res, indent=2))
+        return
+    res = evaluate(args.model, args.prompts, args.new_tokens, args.show, args.depth)
     for s in res["samples"]:
         print(f"--- prompt: {s['prompt']!r}\n    reply:  {s['continuation']!r}")
-    print(
-        f"MTP top-1 agreement with the target's next-next token: "
-        f"{res['mtp_top1_agreement']:.1%} over {res['positions']} positions"
+    per_depth = ", ".join(
+        f"depth {j + 1}: {a:.1%}" for j, a in enumerate(res["mtp_top1_agreement_per_depth"])
     )
+    print(f"MTP top-1 agreement with the target's token after next: {per_depth}")
     if args.output:
         args.output.write_text(json.dumps(res, indent=2))
 

@@ -74,6 +74,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tools.distill_mtp import (  # noqa: E402
+    LOSSES,
     agreement_on,
     lr_at,
     make_optimizer,
@@ -82,6 +83,7 @@ from tools.distill_mtp import (  # noqa: E402
     set_lr,
     train_step,
 )
+from tools.eval_mtp_agreement import load_mtp  # noqa: E402
 from tools.export_deepseek_mtp import export  # noqa: E402
 from tools.train_tiny_model import MTPLayer, mtp_checkpoint_tensors  # noqa: E402
 from xllm_py.weights.loader import INDEX_FILE, layer_index, tensor_files  # noqa: E402
@@ -116,8 +118,9 @@ def mtp_tensor_names(model_dir: Path, n_layers: int) -> list[str]:
     return sorted(n for n in tensor_files(model_dir) if is_mtp(n, n_layers))
 
 
-def check_target(model_dir: Path, force: bool) -> dict:
-    """The target's config, after refusing what this tool cannot train on."""
+def check_target(model_dir: Path, force: bool, init: str = "last-layer") -> dict:
+    """The target's config, after refusing what this tool cannot train on (with
+    init="checkpoint", a model without an MTP layer to start from)."""
     if not model_dir.is_dir():
         raise UsageError(f"--model {model_dir}: no such directory")
     cfg = read_config(model_dir)
@@ -132,11 +135,19 @@ def check_target(model_dir: Path, force: bool) -> dict:
         stored = mtp_tensor_names(model_dir, n_layers)
     except ValueError as e:  # no or unreadable weight files
         raise UsageError(f"--model {model_dir}: {e}") from None
+    if init == "checkpoint":
+        if n_mtp != 1 or not stored:
+            raise UsageError(
+                f"--init checkpoint: --model {model_dir} has no MTP layer to start from "
+                f"(num_nextn_predict_layers={n_mtp}, {len(stored)} tensors at "
+                f"model.layers.{n_layers}+; exactly one layer is needed)"
+            )
+        return cfg
     if (n_mtp or stored) and not force:
         raise UsageError(
             f"--model {model_dir} already has MTP weights (num_nextn_predict_layers={n_mtp}, "
             f"{len(stored)} tensors at model.layers.{n_layers}+); pass --force to train a new "
-            "layer that replaces them (or use tools/distill_mtp.py to improve the existing one)"
+            "layer that replaces them, or --init checkpoint to train the existing one further"
         )
     return cfg
 
@@ -340,6 +351,16 @@ def load_state(path: Path, mtp, opt) -> dict:
 # ---- main ---------------------------------------------------------------------------------------
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers") from None
+    if any(v < 0 for v in values) or sum(values) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: weights must be >= 0 with a positive sum")
+    return values
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -363,6 +384,29 @@ def parse_args(argv):
     )
     ap.add_argument("--save-every", type=int, default=50, help="steps between state saves")
     ap.add_argument("--force", action="store_true", help="train even if --model has MTP layers")
+    ap.add_argument(
+        "--init",
+        choices=("last-layer", "checkpoint"),
+        default="last-layer",
+        help="start from the target's last layer (a new layer) or from --model's own MTP layer",
+    )
+    ap.add_argument(
+        "--chain",
+        type=int,
+        default=1,
+        help="train draft depths 1..K: depth j > 1 runs on the layer's own depth j - 1 output",
+    )
+    ap.add_argument(
+        "--chain-weights",
+        type=_floats,
+        help="loss weight per depth, comma-separated (default: 0.8^(j-1))",
+    )
+    ap.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default="kl",
+        help="kl: soft cross-entropy; tv: total variation; lk: -log expected acceptance + 0.1 kl",
+    )
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
@@ -373,7 +417,13 @@ def parse_args(argv):
     ap.add_argument(
         "--gen-prompts", type=int, default=128, help="training prompts the target continues"
     )
-    ap.add_argument("--gen-tokens", type=int, default=96, help="greedy tokens per continuation")
+    ap.add_argument("--gen-tokens", type=int, default=96, help="tokens per continuation")
+    ap.add_argument(
+        "--sampled-prompts",
+        type=int,
+        default=0,
+        help="further training prompts the target continues at temperature 1",
+    )
     ap.add_argument(
         "--gen-batch", type=int, default=256, help="sequences the engine generates at once"
     )
@@ -398,14 +448,19 @@ def main(argv: list[str] | None = None) -> int:
 def run(args) -> int:
     t0 = time.time()
     torch.set_num_threads(args.threads)
-    check_target(args.model, args.force)
+    check_target(args.model, args.force, args.init)
     out = args.output_dir or args.in_place_copy
     check_output(out, args.model)
     if args.steps < 0 or args.minutes <= 0:
         raise UsageError("--steps must be >= 0 and --minutes > 0")
+    if not 1 <= args.chain < args.seq_len:
+        raise UsageError(f"--chain {args.chain}: expected 1 <= K < --seq-len {args.seq_len}")
+    weights = args.chain_weights or [0.8**j for j in range(args.chain)]
+    if len(weights) != args.chain:
+        raise UsageError(f"--chain-weights: {len(weights)} weights for --chain {args.chain}")
     work = args.work_dir or out.with_name(out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
-    real, gen, ev = prepare_data(
+    streams, ev = prepare_data(
         args.model,
         work,
         max_train_chars=args.max_train_chars,
@@ -415,6 +470,7 @@ def run(args) -> int:
         eval_prompts=args.eval_prompts,
         eval_tokens=args.eval_tokens,
         gen_batch=args.gen_batch,
+        sampled_prompts=args.sampled_prompts,
     )
 
     from transformers import DeepseekV3ForCausalLM
@@ -422,7 +478,7 @@ def run(args) -> int:
     model = DeepseekV3ForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     model.requires_grad_(False)
     cfg = model.config
-    mtp = init_mtp(model, cfg)
+    mtp = init_mtp(model, cfg) if args.init == "last-layer" else load_mtp(args.model, cfg)
     params = list(mtp.parameters())
     opt = make_optimizer(params, args.lr)
     rng = np.random.default_rng(args.seed)
@@ -434,8 +490,8 @@ def run(args) -> int:
         step, spent, log, before = saved["step"], saved["seconds"], saved["log"], saved["before"]
         rng.bit_generator.state = saved["rng"]
     if before is None:
-        before = agreement_on(model, mtp.eval(), ev["seqs"], ev["first"])
-        print(f"held-out top-1 agreement of the initialised layer: {before:.1%}", flush=True)
+        before = agreement_on(model, mtp.eval(), ev["seqs"], ev["first"], args.chain)
+        print(f"held-out top-1 agreement at the start, {_depths(before)}", flush=True)
     if args.resume:
         print(f"resuming at step {step} ({spent / 60:.1f} training minutes spent)", flush=True)
     else:
@@ -467,19 +523,19 @@ def run(args) -> int:
         while frac() < 1.0:
             begin = time.time()
             set_lr(opt, lr_at(args.lr, args.warmup, step, frac()))
-            batch = sample_batch(real, gen, rng, args.batch_size, args.seq_len)
-            loss, agree = train_step(model, mtp, opt, params, batch)
+            batch = sample_batch(streams, rng, args.batch_size, args.seq_len)
+            loss, agree = train_step(model, mtp, opt, params, batch, args.chain, args.loss, weights)
             step += 1
             spent += time.time() - begin
             bar.update(1 if args.steps else int(spent) - bar.n)
-            bar.set_postfix(step=step, loss=f"{loss.item():.3f}", agree=f"{agree.item():.2f}")
+            bar.set_postfix(step=step, loss=f"{loss.item():.3f}", agree=f"{agree[0].item():.2f}")
             if step % 25 == 0 or step == 1:
                 log.append(
                     {
                         "step": step,
                         "minutes": spent / 60,
                         "loss": loss.item(),
-                        "train_agreement": agree.item(),
+                        "train_agreement": agree.tolist(),
                     }
                 )
             if step % args.save_every == 0:
@@ -491,19 +547,25 @@ def run(args) -> int:
     if interrupted:
         print(f"interrupted at step {step}; state saved to {state_file} (--resume)", flush=True)
         return 130
-    after = agreement_on(model, mtp.eval(), ev["seqs"], ev["first"])
-    print(f"held-out top-1 agreement after {step} steps: {after:.1%}", flush=True)
+    after = agreement_on(model, mtp.eval(), ev["seqs"], ev["first"], args.chain)
+    print(f"held-out top-1 agreement after {step} steps, {_depths(after)}", flush=True)
     meta = {
         "command": " ".join(sys.argv),
         "source": str(args.model),
-        "init": "block = model.layers.{N-1}, eh_proj = [0 | I], norms = 1",
+        "init": "block = model.layers.{N-1}, eh_proj = [0 | I], norms = 1"
+        if args.init == "last-layer"
+        else f"{args.model}'s own MTP layer",
+        "chain": args.chain,
+        "chain_weights": weights,
+        "loss": args.loss,
+        "sampled_prompts": args.sampled_prompts,
         "steps": step,
         "training_minutes": spent / 60,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "lr": args.lr,
         "eval_prompts": len(ev["seqs"]),
-        "held_out_agreement_init": before,
+        "held_out_agreement_init": before,  # per depth 1..chain
         "held_out_agreement_after": after,
         "minutes_this_run": (time.time() - t0) / 60,
         "log": log,
@@ -515,6 +577,10 @@ def run(args) -> int:
         write_exported(args.model, out, tensors, meta)
     print(f"wrote {out} in {(time.time() - t0) / 60:.1f} min", flush=True)
     return 0
+
+
+def _depths(agreement: list[float]) -> str:
+    return ", ".join(f"depth {j + 1}: {a:.1%}" for j, a in enumerate(agreement))
 
 
 if __name__ == "__main__":

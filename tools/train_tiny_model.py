@@ -185,9 +185,13 @@ class MTPLayer(nn.Module):
         self.head_norm = DeepseekV3RMSNorm(h, cfg.rms_norm_eps)
 
     def forward(self, hidden, next_embeds, position_embeddings, mask):
+        return self.head_norm(self.states(hidden, next_embeds, position_embeddings, mask))
+
+    def states(self, hidden, next_embeds, position_embeddings, mask):
+        """The block's output before shared_head.norm: what a chained draft step takes
+        as its hidden state (xllm_py/speculative/mtp_proposer.py chains there)."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        x = self.block(x, attention_mask=mask, position_embeddings=position_embeddings)
-        return self.head_norm(x)
+        return self.block(x, attention_mask=mask, position_embeddings=position_embeddings)
 
 
 def build_models(seed: int):

@@ -53,6 +53,17 @@ def option(default: Any, group: str, help: str, *, check=None, offline: bool = T
     return field(default=default, repr="env" not in kw, metadata=meta)
 
 
+def _confidence(value: str) -> str | float | None:
+    """--speculative_confidence as the engine takes it: "auto", None (off) or a threshold."""
+    if value in ("auto", "off"):
+        return None if value == "off" else "auto"
+    try:
+        threshold = float(value)
+    except ValueError:
+        return None
+    return threshold if 0 < threshold < 1 else None
+
+
 def at_least(low: int, note: str = ""):
     return lambda v: None if v >= low else f"must be >= {low}{note}"
 
@@ -123,6 +134,24 @@ class EngineArgs:
         "target tokens only (a cheaper draft head; verification still uses the whole "
         "vocabulary, so outputs are unchanged); needs a token map (tools/build_draft_vocab.py). "
         "0 = the whole vocabulary")  # fmt: skip
+    speculative_draft_sampling: str = option("sampled", "speculative", "how a sampled "
+        "request (temperature > 0) drafts: 'sampled' draws each draft from the draft's "
+        "distribution after the request's own processing (kept with probability 1 - TV(p, q); "
+        "a seeded request races on its own noise and emits what it would without drafts), "
+        "'greedy' takes the draft's argmax (kept with probability p(d)); greedy requests "
+        "always draft greedily; outputs are exact either way",
+        choices=["sampled", "greedy"])  # fmt: skip
+    speculative_confidence: str = option("auto", "speculative", "confidence-scheduled draft "
+        "length, per request and step: a request stops drafting once the draft's estimated "
+        "chance that its whole run so far is accepted (q of each draft, calibrated by the "
+        "measured acceptance per position) falls below this threshold; 'auto' picks the "
+        "threshold per step from load and the measured step costs, 'off' drafts "
+        "--num_speculative_tokens every step, a number in (0, 1) fixes the threshold",
+        check=lambda v: None if _confidence(v) is not None or v == "off" else
+        "expected 'auto', 'off' or a number in (0, 1)")  # fmt: skip
+    report_speculative_usage: bool = option(True, "speculative", "add usage.speculative "
+        "{draft_tokens, accepted_tokens} of each request to its answer (extra keys the "
+        "OpenAI clients keep)", offline=False)  # fmt: skip
     speculative_token_map: str | None = option(None, "speculative", "the token map for "
         "--speculative_draft_vocab_size (default: draft_vocab.safetensors in the --draft_model "
         "or --model directory)")  # fmt: skip
@@ -370,6 +399,8 @@ class EngineArgs:
             draft_device=self.draft_devices,
             draft_vocab_size=self.speculative_draft_vocab_size,
             token_map=self.speculative_token_map,
+            draft_sampling=self.speculative_draft_sampling,
+            confidence=_confidence(self.speculative_confidence),
         )
 
     def _security_flags(self) -> tuple:

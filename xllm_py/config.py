@@ -341,6 +341,12 @@ class SpecConfig:
     # draft's (or the model's) directory.
     draft_vocab_size: int = 0
     token_map: str | None = None
+    # How sampled requests draft (worker/draft_sampler.py): "sampled" from the draft's
+    # processed distribution, or "greedy" (its argmax). Greedy requests always take the argmax.
+    draft_sampling: str = "sampled"
+    # Confidence-scheduled draft length (speculative/confidence.py): "auto" (the threshold
+    # follows load), a fixed threshold in (0, 1), or None (always num_speculative_tokens).
+    confidence: str | float | None = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= 16:
@@ -364,6 +370,17 @@ class SpecConfig:
             )
         if self.draft_model and not self.num_speculative_tokens:
             raise ValueError("draft_model is set but num_speculative_tokens=0 (drafting is off)")
+        if self.draft_sampling not in ("sampled", "greedy"):
+            raise ValueError(
+                f"speculative_draft_sampling={self.draft_sampling!r}: expected 'sampled' or "
+                "'greedy'"
+            )
+        if self.confidence is not None and self.confidence != "auto":
+            if not 0 < float(self.confidence) < 1:
+                raise ValueError(
+                    f"speculative_confidence={self.confidence!r}: expected 'auto', 'off' or a "
+                    "number in (0, 1)"
+                )
         if self.draft_vocab_size < 0:
             raise ValueError(
                 f"speculative_draft_vocab_size={self.draft_vocab_size} must be >= 0 (0: whole)"

@@ -234,7 +234,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ...) -> None: ...
 
 class RequestResult(_message.Message):
-    __slots__ = ("req_id", "sampled_token_ids", "has_logprobs", "logprobs", "draft_token_ids", "has_prompt_logprobs", "prompt_logprobs_start", "prompt_logprobs", "prompt_ranks")
+    __slots__ = ("req_id", "sampled_token_ids", "has_logprobs", "logprobs", "draft_token_ids", "has_prompt_logprobs", "prompt_logprobs_start", "prompt_logprobs", "prompt_ranks", "draft_scores")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,7 @@ class RequestResult(_message.Message):
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_RANKS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SCORES_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_logprobs: bool
@@ -253,7 +254,8 @@ class RequestResult(_message.Message):
     prompt_logprobs_start: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     prompt_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_id: _Optional[str] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., has_prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_start: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, req_id: _Optional[str] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., has_prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_start: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_ranks: _Optional[_Iterable[int]] = ..., draft_scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ExecuteStepReply(_message.Message):
     __slots__ = ("results", "has_drafts", "has_prompt_logprobs")

@@ -134,6 +134,7 @@ def _logprobs_to_pb(lps: list[TokenLogprobs]) -> list[pb.TokenLogprobs]:
 
 def output_to_pb(out: ModelRunnerOutput) -> pb.ExecuteStepReply:
     drafts = out.draft_token_ids or [[] for _ in out.req_ids]
+    scores = out.draft_scores or [[] for _ in out.req_ids]
     prompt = out.prompt_logprobs or [None for _ in out.req_ids]
     return pb.ExecuteStepReply(
         results=[
@@ -147,9 +148,10 @@ def output_to_pb(out: ModelRunnerOutput) -> pb.ExecuteStepReply:
                 prompt_logprobs_start=pl.start if pl else 0,
                 prompt_logprobs=_logprobs_to_pb(pl.logprobs if pl else []),
                 prompt_ranks=pl.ranks if pl else [],
+                draft_scores=score,
             )
-            for req_id, sampled, lps, draft, pl in zip(
-                out.req_ids, out.sampled_token_ids, out.logprobs, drafts, prompt
+            for req_id, sampled, lps, draft, score, pl in zip(
+                out.req_ids, out.sampled_token_ids, out.logprobs, drafts, scores, prompt
             )
         ],
         has_drafts=bool(out.draft_token_ids),
@@ -168,6 +170,7 @@ def output_from_pb(msg: pb.ExecuteStepReply) -> ModelRunnerOutput:
         sampled_token_ids=[list(r.sampled_token_ids) for r in results],
         logprobs=[_logprobs_from_pb(r.logprobs) if r.has_logprobs else None for r in results],
         draft_token_ids=[list(r.draft_token_ids) for r in results] if msg.has_drafts else [],
+        draft_scores=[list(r.draft_scores) for r in results] if msg.has_drafts else [],
         prompt_logprobs=[
             PromptLogprobs(
                 r.prompt_logprobs_start,

@@ -135,6 +135,8 @@ def _merge_spec(parts: list[SpecDecodeStats]) -> SpecDecodeStats:
         out.accepted_per_position = _add(out.accepted_per_position, p.accepted_per_position)
         out.adaptive_k += p.adaptive_k
         out.steps_by_k = _add(out.steps_by_k, p.steps_by_k)
+        out.acceptance_buckets = _add(out.acceptance_buckets, p.acceptance_buckets)
+        out.acceptance_sum += p.acceptance_sum
     return out
 
 

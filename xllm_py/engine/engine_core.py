@@ -19,6 +19,7 @@ from xllm_py.executor.base import Executor
 from xllm_py.executor.inproc import InProcExecutor
 from xllm_py.sampling_params import SamplingParams
 from xllm_py.speculative.adaptive import AdaptiveSpeculation
+from xllm_py.speculative.confidence import ConfidencePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class EngineCore:
             AdaptiveSpeculation(config.spec.num_speculative_tokens)
             if config.spec.adaptive
             else None,
+            _confidence_policy(config.spec),
         )
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -159,3 +161,11 @@ class EngineCore:
 
     def shutdown(self, reason: str = "shutting down", failure: bool = False) -> None:
         self.executor.shutdown(reason, failure)
+
+
+def _confidence_policy(spec) -> ConfidencePolicy | None:
+    """Confidence-scheduled draft length when drafting is on (adaptive speculation, which
+    picks one k for the whole step from its own cost table, takes its place)."""
+    if not spec.num_speculative_tokens or spec.confidence is None or spec.adaptive:
+        return None
+    return ConfidencePolicy(spec.num_speculative_tokens, spec.confidence)

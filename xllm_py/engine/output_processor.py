@@ -36,6 +36,7 @@ class RequestState:
         self.completion = CompletionOutput(0, "", [], [] if sampling.logprobs is not None else None)
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.prompt_ranks: list[int] | None = None
+        self.num_draft_tokens = self.num_accepted_tokens = 0
 
     def apply(self, out: EngineCoreOutput) -> bool:
         """Fold one step's output in; True if a stop string ended the request here."""
@@ -44,6 +45,8 @@ class RequestState:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_ranks = out.prompt_logprobs, out.prompt_ranks
         c.token_ids.extend(out.new_token_ids)
+        self.num_draft_tokens = out.num_draft_tokens  # the request's totals so far
+        self.num_accepted_tokens = out.num_accepted_tokens
         if c.logprobs is not None and out.new_logprobs:
             c.logprobs.extend(out.new_logprobs)
         c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
@@ -88,4 +91,6 @@ class RequestState:
             prompt_logprobs=self.prompt_logprobs,
             prompt_ranks=self.prompt_ranks,
             error=error,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )

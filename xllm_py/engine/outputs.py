@@ -34,3 +34,8 @@ class RequestOutput:
     # set when handling this request's own data failed (finish_reason "error"): the request
     # was ended and its blocks freed; the engine and the other requests went on
     error: str | None = None
+    # speculative decoding (MTP): the request's draft tokens verified so far, and how many
+    # of them the target accepted (acceptance rate = num_accepted_tokens / num_draft_tokens);
+    # both 0 without speculation
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -29,6 +29,7 @@ from xllm_py.executor.messages import (
     TokenLogprobs,
 )
 from xllm_py.speculative.adaptive import AdaptiveSpeculation
+from xllm_py.speculative.confidence import ConfidencePolicy
 from xllm_py.speculative.metrics import SpecDecodeStats
 
 
@@ -45,6 +46,9 @@ class EngineCoreOutput:
     # prompt token, the first None (nothing comes before it), and the ranks of the rest
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_ranks: list[int] | None = None
+    # the request's totals so far: draft tokens verified, and how many were accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -66,8 +70,10 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         spec_disable_batch_size: int = 0,
         adaptive: AdaptiveSpeculation | None = None,
+        confidence: ConfidencePolicy | None = None,
     ) -> None:
         self.config = config
+        self.confidence = confidence  # drafts verified per request (speculative/confidence.py)
         self.spec_disable_batch_size = spec_disable_batch_size
         self.adaptive = adaptive  # chooses the drafts per step (speculative/adaptive.py), when on
         self.blocks = block_manager
@@ -102,6 +108,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         req.status = RequestStatus.FINISHED
+        self.spec_stats.record_request(req.num_draft_tokens, req.num_accepted_tokens)
         self.blocks.free(req)
         del self.requests[req.req_id]
         if req.num_tokens_sent:
@@ -121,6 +128,7 @@ class Scheduler:
         max_drafts = 0 if limit and len(self.running) > limit else None  # None: all of them
         if self.adaptive is not None:
             max_drafts = out.num_draft_tokens = self.adaptive.choose(len(self.running))
+        plan = self._confidence_plan(out) if max_drafts != 0 else {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -128,6 +136,7 @@ class Scheduler:
             # Drafts past the request's last possible token (max_tokens, context) are waste.
             room = max(req.max_output - len(req.output_token_ids) - 1, 0)
             drafts = req.spec_token_ids[: room if max_drafts is None else min(room, max_drafts)]
+            drafts = drafts[: plan.get(req.req_id, len(drafts))]
             n = min(remaining + len(drafts), budget)
             while not self.blocks.allocate(req, n, self.num_lookahead):
                 victim = self.running.pop()
@@ -145,6 +154,17 @@ class Scheduler:
         if not preempted:
             self._admit_waiting(budget, out)
         return out
+
+    def _confidence_plan(self, out: SchedulerOutput) -> dict[str, int]:
+        """req_id -> drafts to verify, from the confidence policy (when on); and whether
+        the step should propose drafts at all (out.num_draft_tokens = 0 when none pays)."""
+        if self.confidence is None:
+            return {}
+        reqs = [r for r in self.running if r.spec_token_ids]
+        counts = self.confidence.plan([r.spec_scores[: len(r.spec_token_ids)] for r in reqs])
+        if not self.confidence.drafting(len(self.running)):
+            out.num_draft_tokens = 0
+        return {r.req_id: n for r, n in zip(reqs, counts)}
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs_per_batch:
@@ -207,6 +227,7 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
         judged: list[tuple[int, int]] = []  # (drafts, accepted) per request, for adaptive k
+        scored: list[tuple[list[float], int]] = []  # (their scores, accepted): confidence
         for row, req_id in enumerate(result.req_ids):
             req = self.requests.get(req_id)
             if req is None:  # aborted while the step ran
@@ -219,7 +240,11 @@ class Scheduler:
             drafts = sched.spec_token_ids.get(req_id, [])
             accepted = max(len(sampled) - 1, 0)  # drafts the target agreed with
             self.spec_stats.record(drafts, accepted)
+            req.num_draft_tokens += len(drafts)
+            req.num_accepted_tokens += accepted
             judged.append((len(drafts), accepted))
+            if drafts:
+                scored.append((req.spec_scores[: len(drafts)], accepted))
             # Verified: every scheduled token except the rejected drafts.
             req.num_computed_tokens += sched.num_scheduled_tokens[req_id] - (len(drafts) - accepted)
             new_tokens: list[int] = []
@@ -230,6 +255,7 @@ class Scheduler:
             # A stop inside an accepted run drops tokens that were counted as computed.
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             req.spec_token_ids = result.draft_token_ids[row] if result.draft_token_ids else []
+            req.spec_scores = result.draft_scores[row] if result.draft_scores else []
             self.blocks.cache_full_blocks(req, req.num_computed_tokens)
             logprobs = result.logprobs[row]
             if logprobs is not None:
@@ -239,7 +265,13 @@ class Scheduler:
                 self._release(req)
             if new_tokens or req.finish_reason:
                 out = EngineCoreOutput(
-                    req_id, new_tokens, logprobs, req.finish_reason, req.stop_reason
+                    req_id,
+                    new_tokens,
+                    logprobs,
+                    req.finish_reason,
+                    req.stop_reason,
+                    num_draft_tokens=req.num_draft_tokens,
+                    num_accepted_tokens=req.num_accepted_tokens,
                 )
                 if req.prompt_logprobs is not None:  # complete: the prompt's last row sampled
                     out.prompt_logprobs = [None, *req.prompt_logprobs]
@@ -248,6 +280,8 @@ class Scheduler:
                 outputs.append(out)
         if self.adaptive is not None:
             self.adaptive.observe_acceptance(judged)
+        if self.confidence is not None:
+            self.confidence.observe_acceptance(scored)
         return outputs
 
     @staticmethod
@@ -269,6 +303,11 @@ class Scheduler:
         """Feed adaptive speculation the cost of a clean step: every request decoding and
         verifying exactly the drafts the step also asked for (no prompt chunk, no change
         of k between this step and the one before)."""
+        if self.confidence is not None and sched.num_scheduled_tokens and not sched.new_requests:
+            spec = sched.spec_token_ids
+            if all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
+                rows = sum(sched.num_scheduled_tokens.values())
+                self.confidence.observe_step(len(sched.num_scheduled_tokens), rows, seconds)
         k = sched.num_draft_tokens
         if self.adaptive is None or k is None or sched.new_requests:
             return

@@ -60,6 +60,9 @@ class ServerOptions:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (with a parser)
     grammar_compile_timeout: float = 10.0  # seconds a new grammar may take to compile
     stream_stall_timeout: float = 300.0  # seconds a stream may go unread before its abort
+    # usage.speculative {draft_tokens, accepted_tokens} in answers: --report_speculative_usage
+    # with MTP on (serve.server_options)
+    report_speculative_usage: bool = False
 
 
 async def tokenize_route(server: OpenAIServer, request: Request) -> dict:

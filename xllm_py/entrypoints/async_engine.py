@@ -109,6 +109,8 @@ class _Merged:
             self.last.stop_reason,
             None if p is None else p.prompt_logprobs,
             None if p is None else p.prompt_ranks,
+            self.last.num_draft_tokens,  # totals: the latest are all of them
+            self.last.num_accepted_tokens,
         )
 
 
@@ -174,7 +176,15 @@ class _Stream:
             self.sent_prompt_logprobs = True
             prompt_lps, prompt_ranks = out.prompt_logprobs, out.prompt_ranks
         return Update(
-            delta, new, logprobs, c.finish_reason, c.stop_reason, prompt_lps, prompt_ranks
+            delta,
+            new,
+            logprobs,
+            c.finish_reason,
+            c.stop_reason,
+            prompt_lps,
+            prompt_ranks,
+            out.num_draft_tokens,
+            out.num_accepted_tokens,
         )
 
 

@@ -121,6 +121,7 @@ class ChoiceOutput:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.prompt_lps: tuple[list, list[int]] | None = None  # (logprobs, ranks)
+        self.draft_tokens = self.accepted_tokens = 0  # speculation's totals so far
 
     @property
     def index(self) -> int:
@@ -142,6 +143,7 @@ class ChoiceOutput:
         send yet (all of it held back)."""
         self.tokens += len(u.new_token_ids)
         self.finish_reason, self.stop_reason = u.finish_reason, u.stop_reason
+        self.draft_tokens, self.accepted_tokens = u.num_draft_tokens, u.num_accepted_tokens
         if u.prompt_logprobs is not None:
             self.prompt_lps = (u.prompt_logprobs, u.prompt_ranks or [])
         body = self.delta(u)

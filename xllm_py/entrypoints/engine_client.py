@@ -50,6 +50,9 @@ class Update:
     # for (RequestOutput.prompt_logprobs and prompt_ranks)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_ranks: list[int] | None = None
+    # the request's totals so far (RequestOutput.num_draft_tokens, num_accepted_tokens)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -111,13 +111,15 @@ def build_core(a: EngineArgs, config, on_worker_drain=lambda why: None):
 
 def server_options(a: EngineArgs, served_model_name: str):
     """The HTTP server's options: ServerOptions' fields are EngineArgs' of the same names
-    (the API key from --api_key or XLLM_API_KEY)."""
+    (the API key from --api_key or XLLM_API_KEY; usage.speculative only with MTP on)."""
     from xllm_py.entrypoints.api_server import ServerOptions
 
-    names = {f.name for f in dataclasses.fields(ServerOptions)} - {"served_model_name", "api_key"}
+    own = {"served_model_name", "api_key", "report_speculative_usage"}
+    names = {f.name for f in dataclasses.fields(ServerOptions)} - own
     return ServerOptions(
         served_model_name=served_model_name,
         api_key=a.secret("api_key"),
+        report_speculative_usage=a.report_speculative_usage and a.num_speculative_tokens > 0,
         **{name: getattr(a, name) for name in names},
     )
 

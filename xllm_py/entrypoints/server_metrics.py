@@ -16,10 +16,12 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from xllm_py.entrypoints.async_engine import AsyncEngine, EngineEvents, RequestRecord
+from xllm_py.speculative.metrics import ACCEPTANCE_BUCKETS, SpecDecodeStats
 from xllm_py.structured import GrammarCacheCollector
 
 LATENCY_BUCKETS = (
@@ -94,6 +96,7 @@ class _StatsCollector(Collector):
         for pos, n in enumerate(spec.accepted_per_position):
             per.add_metric([self.model, str(pos)], n)
         yield per
+        yield self._acceptance_histogram(spec)
         if spec.adaptive_k:  # --speculative_adaptive
             k = GaugeMetricFamily(
                 "xllm:spec_decode_adaptive_k",
@@ -111,6 +114,20 @@ class _StatsCollector(Collector):
             for n_drafts, n in enumerate(spec.steps_by_k):
                 steps.add_metric([self.model, str(n_drafts)], n)
             yield steps
+
+    def _acceptance_histogram(self, spec: SpecDecodeStats) -> HistogramMetricFamily:
+        h = HistogramMetricFamily(
+            "xllm:spec_decode_request_acceptance_rate",
+            "Acceptance rate (accepted / draft tokens) of each finished request that had MTP "
+            "draft tokens verified.",
+            labels=["model_name"],
+        )
+        buckets, total = [], 0
+        for bound, n in zip(ACCEPTANCE_BUCKETS, spec.acceptance_buckets):
+            total += n
+            buckets.append((floatToGoString(bound), total))
+        h.add_metric([self.model], buckets + [("+Inf", total)], spec.acceptance_sum)
+        return h
 
 
 class ServerMetrics:

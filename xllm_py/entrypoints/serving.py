@@ -114,6 +114,7 @@ class Answer:
     prompt_tokens: int
     usage: str  # "" none, "end" a usage chunk at the end, "every chunk" also on every chunk
     prompt_logprobs_at_top: bool = False  # chat: vLLM's prompt_logprobs once, for the request
+    speculative: bool = False  # usage carries `speculative` (--report_speculative_usage)
     chunk_kind: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -130,15 +131,24 @@ class Answer:
         opts, usage = req.stream_options, ""
         if req.stream and opts is not None and opts.include_usage:
             usage = "every chunk" if opts.continuous_usage_stats else "end"
-        return cls(kind, head, outputs, prompt_tokens, usage)
+        speculative = server.opts.report_speculative_usage
+        return cls(kind, head, outputs, prompt_tokens, usage, speculative=speculative)
 
     def usage_so_far(self) -> dict:
+        """OpenAI's usage, and with MTP on (and --report_speculative_usage) `speculative`:
+        the draft tokens verified and accepted, summed over the choices."""
         completion = sum(o.tokens for o in self.outputs)
-        return {
+        usage: dict = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
         }
+        if self.speculative:
+            usage["speculative"] = {
+                "draft_tokens": sum(o.draft_tokens for o in self.outputs),
+                "accepted_tokens": sum(o.accepted_tokens for o in self.outputs),
+            }
+        return usage
 
     def chunk(self, choice: dict) -> str:
         body = {**self.head, "object": self.chunk_kind, "choices": [choice]}

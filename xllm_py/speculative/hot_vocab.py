@@ -5,9 +5,10 @@ Every draft token reads the head: on the bundled model (vocab 8192, hidden 256) 
 about a third of the bytes a step reads; on DeepSeek-V3 (129280 x 7168) it is ~0.9 GB
 per draft token at bf16. Restricting the draft's head to the hot tokens cuts that to N
 rows. A draft can then only propose hot tokens; it is still a proposal: verification
-runs on the target's full distribution, and drafts are greedy (one-hot q, see
-worker/rejection_sampler.py), so the restricted head changes how often drafts are
-accepted, never what is emitted.
+runs on the target's full distribution, against the distribution q the draft was drawn
+from (one-hot for a greedy draft; for a sampled draft q is zero outside the hot tokens:
+worker/draft_sampler.py), so the restricted head changes how often drafts are accepted,
+never what is emitted.
 
 The token map is a safetensors file (`token_ids` [V'] int64, most frequent first, and
 their `counts`), built by tools/build_draft_vocab.py from the target's own continuations
@@ -67,10 +68,6 @@ class HotVocabHead:
         rows[mine] = weight[local[mine]]
         self.weight = parallel.all_reduce(rows).contiguous()  # [N, hidden]
 
-    def tokens(self, x: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, hidden] (after the draft's head norm) -> the argmax hot token's id [T];
-        with `allowed` (bool [T, vocab]), among the hot tokens each row allows."""
-        logits = F.linear(x, self.weight)
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed[:, self.token_ids], float("-inf"))
-        return self.token_ids[logits.argmax(dim=-1)]
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (after the draft's head norm) -> logits of the hot tokens [T, N]."""
+        return F.linear(x, self.weight)

@@ -26,8 +26,10 @@ Draft positions live in the request's own blocks: the scheduler reserves k
 look-ahead slots, and entries written for drafts that are later rejected are
 overwritten when those positions are verified.
 
-With a hot-vocabulary head (speculative/hot_vocab.py) each draft is the argmax over the N hot
-tokens only; the target still verifies over the whole vocabulary.
+A greedy request's draft is the argmax of the draft's logits; a sampled request's is drawn
+by the model runner's `choose` (worker/draft_sampler.py) from those logits after the
+request's own processing. With a hot-vocabulary head (speculative/hot_vocab.py) the logits
+cover the N hot tokens only; the target still verifies over the whole vocabulary.
 
 Graph mode (worker/graph_runner.py, one runner per MTP layer in `graphs`): a pass
 whose requests each have at most 1 + k rows (the first pass after a decode or
@@ -37,6 +39,7 @@ request's rows padded to the bucket's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +61,7 @@ class ProposeInput:
     block_ids: list[int]
     wants_drafts: bool  # False while a prompt is still being prefilled
     matcher: Matcher | None = None  # structured output: drafts only what the grammar allows
+    sampled: bool = False  # draws its drafts through `MTPProposer.choose` (a sampled request)
 
 
 class MTPProposer:
@@ -81,6 +85,9 @@ class MTPProposer:
         # MTP layer -> its worker/graph_runner.GraphRunner, set by the worker in graph mode
         self.graphs: dict[int, Any] = {}
         self.hot: HotVocabHead | None = None  # set by the worker: drafts from hot tokens only
+        # set by the model runner with sampled drafts: (logits [T, V], request ids, draft
+        # step, drafts so far) -> (draft tokens [T], scores [T]) (worker/draft_sampler.py)
+        self.choose: Callable[..., torch.Tensor] | None = None
 
     def graph_q_lens(self) -> dict[int, tuple[int, ...]]:
         """MTP layer -> the query lengths its passes take in graph mode: 1 + k for the
@@ -95,12 +102,13 @@ class MTPProposer:
 
     def propose(
         self, items: list[ProposeInput], target_hidden: torch.Tensor, k: int | None = None
-    ) -> list[list[int]]:
-        """One list of drafts (k tokens, or none) per item. `k` below the configured number
-        (adaptive speculation) shortens the chain; every layer the configured number uses
-        still fills its cache."""
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Per item, its drafts (k tokens, or none) and their scores (the probability the
+        draft's distribution gave each: speculative/confidence.py calibrates them). `k`
+        below the configured number (adaptive speculation) shortens the chain; every layer
+        the configured number uses still fills its cache."""
         if not items:
-            return []
+            return [], []
         k = self.k if k is None else min(k, self.k)
         rows = [r for it in items for r in it.rows]
         next_ids = [t for it in items for t in it.next_ids]
@@ -116,16 +124,18 @@ class MTPProposer:
             self._run(next_ids, positions, hidden, layouts, step=layer)
         want = [i for i, it in enumerate(items) if it.wants_drafts]
         drafts: list[list[int]] = [[] for _ in items]
+        scores: list[list[float]] = [[] for _ in items]
         if not want:
-            return drafts
+            return drafts, scores
         last = torch.tensor(
             [layouts[i].start + layouts[i].q_len - 1 for i in want], device=self.device
         )
         x = x[last]
         followed = {i: 0 for i in want if items[i].matcher is not None}  # drafts to undo
-        tokens = self._draft_tokens(x, 0, self._allowed([items[i] for i in want]))
-        for i, t in zip(want, tokens.tolist()):
+        tokens, score = self._draft_tokens(x, 0, [items[i] for i in want], drafts, want)
+        for i, t, c in zip(want, tokens.tolist(), score.tolist()):
             drafts[i].append(t)
+            scores[i].append(c)
         for step in range(1, k):
             # Chained draft j sits at (last verified position + j); stop at the context end,
             # or where the grammar is done (or refuses the draft).
@@ -145,12 +155,13 @@ class MTPProposer:
             ]
             pos = [lay.ctx_len - 1 for lay in chain]
             x = self._run(tokens.tolist(), pos, x, chain, step)
-            tokens = self._draft_tokens(x, step, self._allowed([items[i] for i in want]))
-            for i, t in zip(want, tokens.tolist()):
+            tokens, score = self._draft_tokens(x, step, [items[i] for i in want], drafts, want)
+            for i, t, c in zip(want, tokens.tolist(), score.tolist()):
                 drafts[i].append(t)
+                scores[i].append(c)
         for i, n in followed.items():
             items[i].matcher.rollback(n)
-        return drafts
+        return drafts, scores
 
     @staticmethod
     def _follow(i: int, item: ProposeInput, draft: int, followed: dict[int, int]) -> bool:
@@ -174,17 +185,32 @@ class MTPProposer:
         return unpack_bitmask(bitmask, vocab).to(self.device)
 
     def _draft_tokens(
-        self, x: torch.Tensor, step: int, allowed: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Greedy draft tokens [T] from block outputs x [T, hidden]: the argmax over the
-        whole vocabulary, or over the hot tokens (speculative/hot_vocab.py); with `allowed`, over
-        the tokens each row's grammar allows."""
+        self, x: torch.Tensor, step: int, items: list[ProposeInput], drafts, want: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft tokens [T] from block outputs x [T, hidden] of `items` (drafts: every
+        item's drafts so far, `want` the indices of these), and each one's score [T]: the
+        probability the draft's distribution gave it. The logits cover the whole vocabulary
+        or the hot tokens (speculative/hot_vocab.py), among the tokens each row's grammar
+        allows. Greedy: their argmax; with a sampled item, `choose` draws from them."""
+        allowed = self._allowed(items)
+        sampled = self.choose is not None and any(it.sampled for it in items)
         if self.hot is not None:
-            return self.hot.tokens(self.draft.head_norm(x, step), allowed)
-        logits = self.draft.compute_logits(x, step)
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        return logits.argmax(dim=-1)
+            logits = self.hot.logits(self.draft.head_norm(x, step)).float()
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed[:, self.hot.token_ids], float("-inf"))
+            if sampled:
+                full = logits.new_full((len(items), self.draft.config.vocab_size), float("-inf"))
+                full[:, self.hot.token_ids] = logits
+                logits = full
+        else:
+            logits = self.draft.compute_logits(x, step).float()
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed, float("-inf"))
+        if sampled:
+            return self.choose(logits, [it.req_id for it in items], step, [drafts[i] for i in want])
+        score, top = torch.softmax(logits, dim=-1).max(dim=-1)
+        tokens = top if self.hot is None else self.hot.token_ids[top]
+        return tokens, score.nan_to_num(0.0)  # nan: the grammar allows no (hot) token here
 
     @staticmethod
     def _last(item: ProposeInput) -> int:

@@ -35,6 +35,7 @@ from xllm_py.models.context import forward_context
 from xllm_py.sampling_params import SamplingParams
 from xllm_py.speculative.mtp_proposer import MTPProposer, ProposeInput
 from xllm_py.structured import Matcher, allocate_bitmask, grammars_for
+from xllm_py.worker.draft_sampler import DraftSampler
 from xllm_py.worker.graph_runner import GraphRunner
 from xllm_py.worker.rejection_sampler import verify
 from xllm_py.worker.sampler import (
@@ -89,9 +90,18 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.requests: dict[str, RunnerRequest] = {}
         self.proposer: MTPProposer | None = None  # set by the worker when drafting is on
+        self.draft_sampler: DraftSampler | None = (
+            None  # set with sampled drafts (use_sampled_drafts)
+        )
         self.graphs: GraphRunner | None = None  # set by the worker in graph mode
         # fill grammar bitmasks while the forward runs (False: after it, in this thread)
         self.overlap_grammar = device.type != "cpu"
+
+    def use_sampled_drafts(self) -> None:
+        """Sampled requests draw their drafts from the draft's processed distribution
+        (worker/draft_sampler.py) instead of taking its argmax."""
+        self.draft_sampler = DraftSampler(self)
+        self.proposer.choose = self.draft_sampler.choose
 
     def _apply_diffs(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -154,7 +164,9 @@ class ModelRunner:
         out = self._sample(req_ids, sample_reqs, logits, sched.spec_token_ids, grammar)
         out.prompt_logprobs = self._prompt_logprobs(req_ids, layouts, hidden)
         if self.proposer is not None:
-            out.draft_token_ids = self._propose(req_ids, sched, layouts, out, hidden)
+            out.draft_token_ids, out.draft_scores = self._propose(
+                req_ids, sched, layouts, out, hidden
+            )
         return out
 
     def _forward(self, input_ids, positions, layouts) -> torch.Tensor:
@@ -191,7 +203,10 @@ class ModelRunner:
             firsts = [row for row, (_, j) in enumerate(sample_reqs) if j == 0]
             owners = [sample_reqs[row][0] for row in firsts]
             drafts = [spec.get(req_ids[i], []) for i in owners]
-            emitted = verify(self.sampler, logits, batch, [len(d) + 1 for d in drafts], drafts)
+            qs = None
+            if self.draft_sampler is not None:
+                qs = [self.draft_sampler.q_for(req_ids[i], d) for i, d in zip(owners, drafts)]
+            emitted = verify(self.sampler, logits, batch, [len(d) + 1 for d in drafts], drafts, qs)
             emitted_rows, token_list = [], []
             for i, first, em in zip(owners, firsts, emitted):
                 out_tokens[i] = em
@@ -339,11 +354,12 @@ class ModelRunner:
             out[i] = (out[i] or []) + [entry]
         return out
 
-    def _propose(self, req_ids, sched, layouts, out: ModelRunnerOutput, hidden) -> list[list[int]]:
-        """Run the MTP layer over every request's newly verified positions; drafts for the
-        requests that sampled this step (greedy or not: verification is exact for both).
+    def _propose(self, req_ids, sched, layouts, out: ModelRunnerOutput, hidden):
+        """Run the MTP layer over every request's newly verified positions; drafts (and
+        their scores) for the requests that sampled this step (greedy or not: verification
+        is exact for both).
         With adaptive k = 0 (`sched.num_draft_tokens`) only prompt chunks run it."""
-        items = []
+        items, context = [], {}
         k = sched.num_draft_tokens
         for i, req_id in enumerate(req_ids):
             req, lay = self.requests[req_id], layouts[i]
@@ -363,10 +379,19 @@ class ModelRunner:
                     block_ids=req.block_ids,
                     wants_drafts=bool(new) and k != 0,
                     matcher=req.matcher,
+                    sampled=self.draft_sampler is not None and not req.sampling.greedy,
                 )
             )
-        drafts = dict(zip([it.req_id for it in items], self.proposer.propose(items, hidden, k)))
-        return [drafts.get(req_id, []) for req_id in req_ids]
+            context[req_id] = (req, new)
+        if self.draft_sampler is not None:
+            self.draft_sampler.begin(context)
+        drafts, scores = self.proposer.propose(items, hidden, k)
+        by_id = {it.req_id: n for n, it in enumerate(items)}
+        picked = [by_id.get(req_id) for req_id in req_ids]
+        return (
+            [[] if n is None else drafts[n] for n in picked],
+            [[] if n is None else scores[n] for n in picked],
+        )
 
     def _logit_adjust(
         self, rows: list[tuple[RunnerRequest, int]], drafts_before: list[list[int]]

@@ -3,7 +3,7 @@ the target's (Leviathan et al. 2023).
 
 Terms, for one request with k drafts in a step:
   draft      d_1..d_k, proposed by the MTP layer; q_j is the distribution d_j was
-             drawn from (one-hot at d_j when drafting is greedy, which it is now)
+             drawn from (worker/draft_sampler.py): one-hot at d_j for a greedy draft
   target     p_0..p_k, the target's distributions at the k + 1 verification rows
              (temperature, top-k, top-p, min-p applied), p_{j-1} judging d_j
   accepted   d_j is kept with probability min(1, p_{j-1}(d_j) / q_j(d_j)), in order,
@@ -16,12 +16,15 @@ A request emits accepted + 1 tokens. Greedy requests have one-hot p, so this is
 Draws for a seeded request come from a generator seeded by (seed, output index),
 like the plain sampler, so a seeded request repeats whatever else is batched.
 
-With one-hot q (greedy drafts, what the MTP proposer makes) the rule is realised as a
-coupling: each row draws x from p_{j-1} exactly as plain sampling would, d_j is kept iff
-it equals x, and at the first miss x itself is the recovered token. Keeping has
-probability p_{j-1}(d_j), as above, and the emitted tokens are exactly the ones plain
-sampling draws from the same noise: a seeded request's output does not depend on the
-drafts, on k, or on adaptive speculation changing k from step to step.
+A request whose drafts come without q (greedy requests, and seeded ones, whose drafts race
+on the noise their verification rows use) is verified as a coupling: each row draws x from
+p_{j-1} exactly as plain sampling would, d_j is kept iff it equals x, and at the first miss
+x itself is the recovered token. For a draft that does not depend on that noise this is
+the rule above with one-hot q (kept with probability p_{j-1}(d_j)); for any draft the
+emitted tokens are exactly the ones plain sampling draws from the same noise, so a seeded
+request's output does not depend on the drafts, on k, or on adaptive speculation changing
+k from step to step. A request whose drafts carry q (unseeded sampling) gets the rule
+above with that q: kept with probability sum min(p, q) = 1 - TV(p, q).
 """
 
 from __future__ import annotations
@@ -37,12 +40,14 @@ def verify(
     batch: SamplingBatch,
     row_counts: list[int],
     drafts: list[list[int]],
-    draft_probs: torch.Tensor | None = None,
+    draft_probs: list[torch.Tensor | None] | None = None,
 ) -> list[list[int]]:
     """logits [R, V] for all verification rows, request after request (request i owns
-    row_counts[i] = len(drafts[i]) + 1 consecutive rows). draft_probs [sum k, V]: q of each
-    draft, None for greedy (one-hot) drafts. Returns the emitted tokens per request."""
-    if batch.all_greedy and draft_probs is None:
+    row_counts[i] = len(drafts[i]) + 1 consecutive rows). draft_probs[i]: q of request i's
+    drafts [len(drafts[i]), V], or None to verify them as a coupling (see above); None: no
+    request has any. Returns the emitted tokens per request."""
+    has_q = [q is not None for q in draft_probs] if draft_probs else [False] * len(drafts)
+    if batch.all_greedy and not any(has_q):
         return _verify_greedy(sampler.greedy(logits, batch).tolist(), row_counts, drafts)
     probs = sampler.probabilities(logits, batch)  # [R, V]; one-hot on greedy rows
     starts = [0]
@@ -59,28 +64,23 @@ def verify(
     rows = torch.tensor(judge_rows, device=dev)
     ids = torch.tensor(flat, device=dev)
     p = probs[rows]  # [D, V]
-    q = (
-        torch.zeros_like(p).scatter_(1, ids.unsqueeze(1), 1.0)
-        if draft_probs is None
-        else draft_probs
-    )
-    if draft_probs is None:
-        # One-hot q: the coupled rule. x = the token plain sampling draws at this row (the
-        # same exponential race, the same seeded noise); keep d iff d == x, else emit x.
-        # P(keep) = p(d) = min(1, p(d) / q(d)) as in the rule below, every emitted token
-        # is distributed as p, and a seeded request emits what it would without drafts,
-        # whichever drafts (or how many) its steps carried.
-        recovered = (p / noise[rows]).argmax(dim=-1)
-        accept = (recovered == ids).tolist()
-        recovered = recovered.tolist()
-    else:
+    # The coupled rule: x = the token plain sampling draws at this row (the same exponential
+    # race, the same seeded noise); keep d iff d == x, else emit x.
+    coupled = (p / noise[rows]).argmax(dim=-1)
+    accept, recovered = coupled == ids, coupled
+    if any(has_q):
+        drawn = torch.tensor([h for h, d in zip(has_q, drafts) for _ in d], device=dev)
+        q = torch.zeros_like(p).scatter_(1, ids.unsqueeze(1), 1.0)
+        q[drawn] = torch.cat([qi for qi in draft_probs if qi is not None]).to(p.dtype)
         p_d = p.gather(1, ids.unsqueeze(1)).squeeze(1)
         q_d = q.gather(1, ids.unsqueeze(1)).squeeze(1)
-        accept = (uniform[rows] * q_d < p_d).tolist()  # u < p/q without dividing by zero
+        kept = uniform[rows] * q_d < p_d  # u < p/q without dividing by zero
         residual = (p - q).clamp(min=0)
         # Rows where p <= q everywhere cannot reject; keep a valid distribution there anyway.
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-        recovered = (residual / noise[rows]).argmax(dim=-1).tolist()
+        accept = torch.where(drawn, kept, accept)
+        recovered = torch.where(drawn, (residual / noise[rows]).argmax(dim=-1), recovered)
+    accept, recovered = accept.tolist(), recovered.tolist()
     out, d_at = [], 0
     for i, d in enumerate(drafts):
         emitted = []

@@ -114,10 +114,17 @@ class Sampler:
         uniform = torch.rand(probs.shape[0], generator=self.generator, device=probs.device)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed in batch.seeds:
-            g = torch.Generator(device=probs.device).manual_seed(seed)
-            uniform[row] = torch.rand((), generator=g, device=probs.device)
-            noise[row].exponential_(generator=g)
+            uniform[row], noise[row] = seeded_draws(seed, probs[row])
         return uniform, noise
+
+
+def seeded_draws(seed: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The uniform and the exponential race noise [V] of one seeded row (`seed` from
+    token_seed): the same numbers wherever and whenever they are drawn, so a sampled draft
+    can race on the noise its verification row will use (worker/draft_sampler.py)."""
+    g = torch.Generator(device=like.device).manual_seed(seed)
+    uniform = torch.rand((), generator=g, device=like.device)
+    return uniform, torch.empty_like(like).exponential_(generator=g)
 
 
 def logprob_details(logprobs: torch.Tensor | None, tokens: torch.Tensor, n: int | None):

@@ -342,6 +342,8 @@ class Worker:
                 self.config.max_model_len,
             )
             self.runner.proposer.hot = self._hot_vocab_head()
+            if self.config.spec.draft_sampling == "sampled":
+                self.runner.use_sampled_drafts()
             if self.graph_mode:
                 proposer = self.runner.proposer
                 for layer, q_lens in proposer.graph_q_lens().items():
