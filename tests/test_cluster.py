@@ -117,6 +117,7 @@ def test_model_runner_output_round_trip():
         # the chosen token first, then the top N (its order is meaningful)
         logprobs=[[{40: -0.25, 3: -1.5}, {12: -2.0, 40: -0.1}], None, [{7: -float("inf")}]],
         draft_token_ids=[[41], [], [8]],
+        draft_scores=[[0.625], [], [0.03125]],  # what the confidence policy calibrates
         # a prompt chunk scored from position 3: each token's logprob, then the top N
         prompt_logprobs=[None, PromptLogprobs(3, [{5: -1.0, 9: -0.5}, {6: -3.0}], [2, 70]), None],
     )

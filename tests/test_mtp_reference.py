@@ -153,14 +153,14 @@ def run_engine(path, k: int):
 
     def propose(items, hidden, k=None, _inner=proposer.propose):
         logits_seen.clear()
-        drafts = _inner(items, hidden, k)
+        drafts, scores = _inner(items, hidden, k)
         want = [n for n, it in enumerate(items) if it.wants_drafts]
         for row, n in enumerate(want):
             it = items[n]
             tokens = runner.requests[it.req_id].token_ids[: it.start + 1] + it.next_ids
             steps = [logits[row] for logits in logits_seen[: len(drafts[n])]]
             records.append((tokens, drafts[n], steps))
-        return drafts
+        return drafts, scores
 
     draft.compute_logits = compute_logits
     proposer.propose = propose

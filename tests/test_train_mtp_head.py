@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tools.distill_mtp import chain_mask
 from tools.train_mtp_head import check_target, init_mtp, main, strip_mtp
 from xllm_py import LLM, SamplingParams
 from xllm_py.models.deepseek_mtp import DRAFT_ARCHITECTURE
@@ -102,7 +103,7 @@ def test_trains_exports_resumes_and_serves_losslessly(stripped, tmp_path, capsys
     assert "resuming at step 2" in second  # the saved state, not a fresh start
     meta = json.loads((copy / "mtp_head_training.json").read_text())
     assert meta["steps"] == 3 and [e["step"] for e in meta["log"]][:1] == [1]
-    assert 0 <= meta["held_out_agreement_after"] <= 1
+    assert [0 <= a <= 1 for a in meta["held_out_agreement_after"]] == [True]  # depth 1
 
     # the exported draft: export_deepseek_mtp's layout, copies equal to the target's
     cfg = json.loads((draft / "config.json").read_text())
@@ -136,3 +137,32 @@ def test_trains_exports_resumes_and_serves_losslessly(stripped, tmp_path, capsys
     assert (
         greedy_tokens(model=str(stripped), draft_model=str(draft), num_speculative_tokens=2) == base
     )
+
+
+def test_chain_mask_attends_as_chained_drafting_does():
+    """Depth 1 is causal; row i of depth m > 1 sees depth 1's rows 0..i and its own row i
+    of depths 2..m: what the MTP layer's cache holds at chained draft step m - 1."""
+    allowed = chain_mask(3, 3, torch.float32)[0, 0] == 0
+    rows = {(m, i): m * 3 + i for m in range(3) for i in range(3)}
+    for (m, i), q in rows.items():
+        seen = {key for key, k in rows.items() if allowed[q, k]}
+        want = {(0, j) for j in range(i + 1)} | {(d, i) for d in range(1, m + 1)}
+        assert seen == want, (m, i)
+
+
+def test_chained_fine_tuning_of_the_checkpoint_layer_serves_losslessly(tmp_path, capsys):
+    """--init checkpoint --chain 2 --loss lk, with the target's T=1 continuations too: the
+    bundled model's own MTP layer trained for depths 1 and 2, the target unchanged."""
+    copy = tmp_path / "chained"
+    out = run_tool(
+        capsys,
+        "--model", str(BUNDLED), "--in-place-copy", str(copy), "--init", "checkpoint",
+        "--chain", "2", "--loss", "lk", "--sampled-prompts", "2", "--steps", "1",
+    )  # fmt: skip
+    assert "depth 2:" in out
+    meta = json.loads((copy / "mtp_head_training.json").read_text())
+    assert meta["chain"] == 2 and meta["loss"] == "lk" and meta["chain_weights"] == [1.0, 0.8]
+    assert len(meta["held_out_agreement_init"]) == len(meta["held_out_agreement_after"]) == 2
+    assert (tmp_path / "chained.work" / "sampled.npy").is_file()
+    base = greedy_tokens(model=str(BUNDLED), num_speculative_tokens=0)
+    assert greedy_tokens(model=str(copy), num_speculative_tokens=2) == base

@@ -150,7 +150,8 @@ def engine_acceptance(model_dir: Path, n_prompts: int, new_tokens: int, ks: list
                 f"per position {' / '.join(f'{a:.2f}' for a in per_position)}",
                 flush=True,
             )
-    return {"model": str(model_dir), "prompts": n_prompts, "new_tokens": new_tokens, "rows": rows}
+    return {"command": " ".join(sys.argv), "model": str(model_dir), "prompts": n_prompts,
+            "new_tokens": new_tokens, "rows": rows}  # fmt: skip
 
 
 def main() -> None:

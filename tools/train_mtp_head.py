@@ -46,9 +46,18 @@ work, --minutes 24 --threads 1; --threads 1 avoids the slowdown of two multi-thr
 on two cores): 731 steps, 24.8 minutes in all, held-out agreement 3.9% at initialisation,
 86.2% after (the bundled, pre-trained and distilled MTP layer: 88.3% on the same set).
 
-A checkpoint that already has MTP layers is refused unless --force (the new layer then
-replaces them). FP8 checkpoints are not supported (the frozen target is HF transformers
-in float32; train on a dequantised copy). To make a test input from the bundled model:
+For the chain: with --chain K the layer is trained at draft depths 1..K, depth j > 1 running
+on its own depth j - 1 output as the engine chains it (tools/distill_mtp.py, chain_logits),
+the per-depth losses weighted by --chain-weights; --loss picks soft cross-entropy (kl),
+total variation (tv) or -log of the expected acceptance of a sampled draft plus 0.1 x kl
+(lk); --sampled-prompts adds the target's T=1 continuations to the greedy ones. With
+--init checkpoint the model's own MTP layer is the start (no --force needed), so an
+existing layer can be trained further: the bundled model's was, with --chain 3 --loss lk
+(its README has the command and figures).
+
+A checkpoint that already has MTP layers is refused unless --force (a new layer then
+replaces them) or --init checkpoint. FP8 checkpoints are not supported (the frozen target
+is HF transformers in float32; train on a dequantised copy). To make a test input from the bundled model:
 
     python -c "from tools.train_mtp_head import strip_mtp; \\
         strip_mtp('xllm_py/assets/tiny-deepseek-v3-mtp', '/tmp/tiny-no-mtp')"

@@ -170,7 +170,9 @@ def output_from_pb(msg: pb.ExecuteStepReply) -> ModelRunnerOutput:
         sampled_token_ids=[list(r.sampled_token_ids) for r in results],
         logprobs=[_logprobs_from_pb(r.logprobs) if r.has_logprobs else None for r in results],
         draft_token_ids=[list(r.draft_token_ids) for r in results] if msg.has_drafts else [],
-        draft_scores=[list(r.draft_scores) for r in results] if msg.has_drafts else [],
+        draft_scores=[list(r.draft_scores) for r in results]
+        if msg.has_drafts and any(r.draft_scores for r in results)
+        else [],
         prompt_logprobs=[
             PromptLogprobs(
                 r.prompt_logprobs_start,

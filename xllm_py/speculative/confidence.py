@@ -24,9 +24,10 @@ C_j * S > d * T. "auto" fits S = s0 + s_req * R + s_row * N to the measured deco
 order of C_j for as long as that holds. At batch 1 a row is nearly free and the runs go
 deep; under load each row costs about S / N and only sure drafts are verified, the
 least sure rows going to k = 0 first. Until MIN_STEPS steps are measured it uses
-START_THRESHOLD. When no draft can pay (the threshold is above every position-0 chance)
+START_THRESHOLD. When no draft can pay (the threshold is above every measured position-0 chance)
 the next step drafts nothing (`drafting()`), which makes it as cheap as plain decoding;
-drafting resumes once the estimate says a first draft would pay again.
+drafting resumes once the estimate says a first draft would pay again, or once the
+counts have decayed away (then it drafts to measure again).
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ class ConfidencePolicy:
 
     def plan(self, scores: list[list[float]]) -> list[int]:
         """How many of its drafts each request (scores of its drafts, in order) verifies."""
+        if not scores:
+            return []
         runs = [self.runs(s) for s in scores]
         if self.threshold != "auto":
             self.last_threshold = float(self.threshold)
@@ -112,10 +115,8 @@ class ConfidencePolicy:
         if fit is None:
             self.last_threshold = START_THRESHOLD
             return [sum(1 for c in r if c >= START_THRESHOLD) for r in runs]
-        s0, s_req, s_row = fit
-        row_cost = max(s_row, 0.0)
         requests = len(scores)
-        seconds = max(s0 + (s_req + row_cost) * requests, 1e-9)
+        row_cost, seconds = self._costs(fit, requests)
         tokens = float(requests)
         take = [0] * requests
         ranked = sorted(
@@ -137,10 +138,21 @@ class ConfidencePolicy:
         fit = self.cost.coefficients() if self.threshold == "auto" else None
         if fit is None or requests == 0:
             return True
+        row_cost, seconds = self._costs(fit, requests)
+        measured = [b for b in range(BINS) if self.judged[0][b] >= 1.0]
+        if not measured:  # nothing measured (or all decayed away): draft, and measure
+            return True
+        best = max(self.chance(0, (b + 0.5) / BINS) for b in measured)
+        return best * seconds > row_cost * requests
+
+    @staticmethod
+    def _costs(fit: tuple[float, float, float], requests: int) -> tuple[float, float]:
+        """(cost of one more row, cost of a step of `requests` rows without drafts). A row
+        costs at least nothing and at most a whole step per request: a fit on steps with
+        little spread in rows can say anything about rows alone."""
         s0, s_req, s_row = fit
         seconds = max(s0 + (s_req + max(s_row, 0.0)) * requests, 1e-9)
-        best = max(self.chance(0, (b + 0.5) / BINS) for b in range(BINS))
-        return best * seconds > max(s_row, 0.0) * requests
+        return min(max(s_row, 0.0), seconds / max(requests, 1)), seconds
 
     # ---- what the step reports ------------------------------------------------------------
 
