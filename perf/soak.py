@@ -305,13 +305,13 @@ def check_answer(spec: Spec, out: Outcome) -> list[str]:
 
 
 def probe_answer(out: Outcome) -> dict:
-    """What must not change between runs of a greedy probe."""
+    """What must not change between runs of a greedy probe (usage.speculative may: how many
+    drafts a step verifies follows load)."""
     if out.status != "ok":
         return {"error": "; ".join(out.errors) or out.status}
-    return {
-        "choices": [[c.text, c.tokens, c.finish_reason] for _, c in sorted(out.choices.items())],
-        "usage": out.usage,
-    }  # fmt: skip
+    usage = {k: v for k, v in (out.usage or {}).items() if k != "speculative"}
+    choices = [[c.text, c.tokens, c.finish_reason] for _, c in sorted(out.choices.items())]
+    return {"choices": choices, "usage": usage}
 
 
 async def probe_round(client: httpx.AsyncClient, probes: list[Spec], load: Progress) -> dict:

@@ -57,7 +57,8 @@ existing layer can be trained further: the bundled model's was, with --chain 3 -
 
 A checkpoint that already has MTP layers is refused unless --force (a new layer then
 replaces them) or --init checkpoint. FP8 checkpoints are not supported (the frozen target
-is HF transformers in float32; train on a dequantised copy). To make a test input from the bundled model:
+is HF transformers in float32; train on a dequantised copy). To make a test input from the
+bundled model:
 
     python -c "from tools.train_mtp_head import strip_mtp; \\
         strip_mtp('xllm_py/assets/tiny-deepseek-v3-mtp', '/tmp/tiny-no-mtp')"
