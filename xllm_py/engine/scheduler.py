@@ -300,9 +300,10 @@ class Scheduler:
         req.prompt_ranks += got.ranks[skip:]
 
     def record_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
-        """Feed adaptive speculation the cost of a clean step: every request decoding and
-        verifying exactly the drafts the step also asked for (no prompt chunk, no change
-        of k between this step and the one before)."""
+        """Feed the confidence policy the cost of every decode step (no prompt chunk), and
+        adaptive speculation the cost of a clean step: every request decoding and verifying
+        exactly the drafts the step also asked for (no change of k between this step and
+        the one before)."""
         if self.confidence is not None and sched.num_scheduled_tokens and not sched.new_requests:
             spec = sched.spec_token_ids
             if all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):

@@ -88,7 +88,6 @@ class ConfidencePolicy:
         self.judged = [[0.0] * BINS for _ in range(max_k)]
         self.accepted = [[0.0] * BINS for _ in range(max_k)]
         self.cost = _LinearCost()
-        self.last_threshold = START_THRESHOLD if threshold == "auto" else float(threshold)
 
     def chance(self, j: int, score: float) -> float:
         """a_j(score): calibrated chance that draft j is accepted given the ones before."""
@@ -108,13 +107,10 @@ class ConfidencePolicy:
         if not scores:
             return []
         runs = [self.runs(s) for s in scores]
-        if self.threshold != "auto":
-            self.last_threshold = float(self.threshold)
-            return [sum(1 for c in r if c >= self.last_threshold) for r in runs]
-        fit = self.cost.coefficients()
-        if fit is None:
-            self.last_threshold = START_THRESHOLD
-            return [sum(1 for c in r if c >= START_THRESHOLD) for r in runs]
+        fit = self.cost.coefficients() if self.threshold == "auto" else None
+        if fit is None:  # a fixed threshold, or "auto" before its fit
+            threshold = START_THRESHOLD if self.threshold == "auto" else float(self.threshold)
+            return [sum(1 for c in r if c >= threshold) for r in runs]
         requests = len(scores)
         row_cost, seconds = self._costs(fit, requests)
         tokens = float(requests)
@@ -129,7 +125,6 @@ class ConfidencePolicy:
             take[i] += 1
             tokens += c
             seconds += row_cost
-        self.last_threshold = row_cost * tokens / seconds
         return take
 
     def drafting(self, requests: int) -> bool:
