@@ -340,7 +340,8 @@ class Progress:
 
 
 class RssSampler(threading.Thread):
-    """VmRSS of one process every 0.5 s, with the load's progress at that moment."""
+    """VmRSS of the daemon (its HTTP process and its children: the engine core) every
+    0.5 s, with the load's progress at that moment."""
 
     def __init__(self, pid: int, progress: Progress) -> None:
         super().__init__(daemon=True)
@@ -350,7 +351,12 @@ class RssSampler(threading.Thread):
         self._halt = threading.Event()
 
     def sample(self) -> None:
-        kib = int(Path(f"/proc/{self.pid}/status").read_text().split("VmRSS:")[1].split()[0])
+        task = Path(f"/proc/{self.pid}/task/{self.pid}/children")
+        pids = [self.pid, *map(int, task.read_text().split())]
+        kib = sum(
+            int(Path(f"/proc/{p}/status").read_text().split("VmRSS:")[1].split()[0])
+            for p in pids
+        )
         self.samples.append((time.monotonic() - self.t0, kib, self.progress.finished))
 
     def run(self) -> None:

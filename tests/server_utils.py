@@ -4,7 +4,8 @@ speculation from /metrics and from an answer's `usage.speculative`."""
 
 import httpx
 
-from perf.daemon import ROOT, Daemon, Server, free_port, free_port_range, samples, wait_healthy
+from perf import daemon
+from perf.daemon import ROOT, Daemon, free_port, free_port_range, samples, wait_healthy
 
 __all__ = [
     "ROOT",
@@ -47,3 +48,19 @@ def assert_spec_counted(spec: dict, before: list[float], after: list[float], n: 
     else:
         assert (1 if drafts else 0) <= grown[2] <= n, grown
     return drafts
+
+
+def eager_unless_asked(flags) -> list[str]:
+    """`flags`, with graph mode off unless they set it: the daemon's default compiles its
+    graphs in the background, minutes of both cores that a test of something else must
+    not spend (tests/test_graph_warm_up.py tests that default)."""
+    flags = list(flags)
+    return flags if any("--enable_graph" in f for f in flags) else [*flags, "--enable_graph=false"]
+
+
+class Server(daemon.Server):
+    """The daemon for a test (perf/daemon.py's Server), eager unless the flags ask for
+    graph mode."""
+
+    def __init__(self, *flags: str, **kw) -> None:
+        super().__init__(*eager_unless_asked(flags), **kw)

@@ -542,12 +542,14 @@ class InProcessServer:
     def __init__(self, *flags: str) -> None:
         import threading
 
-        from tests.server_utils import free_port, wait_healthy
+        from tests.server_utils import eager_unless_asked, free_port, wait_healthy
         from xllm_py import cli
 
         self.port, self.result = free_port(), {}
         self.url = f"http://127.0.0.1:{self.port}"
-        args = cli.build_parser().parse_args(["--port", str(self.port), "--dtype=float32", *flags])
+        args = cli.build_parser().parse_args(
+            ["--port", str(self.port), "--dtype=float32", *eager_unless_asked(flags)]
+        )
         self.server, engine = cli.build_server(args)
         self.thread = threading.Thread(
             target=lambda: self.result.setdefault("rc", cli.run(self.server, engine)), daemon=True

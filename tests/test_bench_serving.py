@@ -16,7 +16,7 @@ from perf.bench_serving import (
     run,
     spec_decode_stats,
 )
-from perf.daemon import Server
+from tests.server_utils import Server
 
 
 class WordTokenizer:

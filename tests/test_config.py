@@ -392,7 +392,11 @@ def test_engine_args_defaults_build_the_config_dataclasses_defaults():
     config = EngineArgs().engine_config()
     assert config.cache == dataclasses.replace(CacheConfig(), num_lookahead_tokens=0)
     assert config.scheduler == SchedulerConfig()
-    assert config.device == DeviceConfig()
+    # the daemon's one difference: graph mode where it pays (CPU, float32), compiled in the
+    # background; the offline engine's options build the dataclass's own default
+    graphs = dict(enable_graph=True, graph_warm_up="background")
+    assert config.device == dataclasses.replace(DeviceConfig(), **graphs)
+    assert EngineArgs.for_offline().engine_config().device == DeviceConfig()
     assert config.spec == SpecConfig()
 
 

@@ -185,7 +185,8 @@ def routes():
     """The paths of the real app, built by the daemon's own build_server (not started)."""
     from xllm_py.entrypoints.serve import build_server
 
-    server, engine = build_server(build_parser().parse_args(["--dtype=float32"]))
+    flags = ["--dtype=float32", "--enable_graph=false"]
+    server, engine = build_server(build_parser().parse_args(flags))
     try:
         return {r.path for r in server.config.app.routes if hasattr(r, "path")}
     finally:

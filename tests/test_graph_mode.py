@@ -62,6 +62,24 @@ def test_graph_mode_gives_eager_tokens_and_logprobs(prompts, eager, k):
     assert blocks.num_free_blocks == blocks.num_blocks
 
 
+def test_background_warm_up_serves_eager_at_once_then_swaps_the_graphs_in(prompts, eager):
+    """--graph_warm_up=background (the daemon's default): the engine answers while its
+    graphs compile on another thread (eager's tokens meanwhile, no step waits for the
+    compiler), and once they are compiled the decode steps run in them."""
+    llm = LLM(enable_graph=True, graph_batch_sizes=[4], graph_warm_up="background", **OPTIONS)
+    worker = llm.engine.core.executor.worker
+    graphs = worker.runner.graphs
+    assert decode(llm, prompts)[0] == eager[0]  # while compiling (or just after)
+    worker._compiler.join(900)
+    assert graphs.warm and graphs.fast_guards
+    before = sum(graphs.steps.values())
+    tokens, logprobs = decode(llm, prompts)
+    assert tokens == eager[0]
+    for got, want in zip(logprobs, eager[1]):
+        assert got == pytest.approx(want, abs=1e-5)
+    assert sum(graphs.steps.values()) - before >= max(p.max_tokens for p in PARAMS) - 1
+
+
 def test_graph_mode_flags_are_checked():
     with pytest.raises(ValueError, match="graph_batch_sizes=\\[0\\]"):
         LLM(enable_graph=True, graph_batch_sizes=[0], **OPTIONS)

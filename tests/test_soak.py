@@ -14,6 +14,9 @@ import pytest
 from perf import soak
 from perf.daemon import ROOT
 
+# the daemon eager: its default compiles graphs in the background (tests/server_utils.py)
+EAGER = ["--server-args", "--num_speculative_tokens=1 --enable_graph=false"]
+
 # ---- the checks, on answers made up here ---------------------------------------------------------
 
 
@@ -106,7 +109,7 @@ def test_soak_of_200_requests_passes_every_check(tmp_path):
     # After a 40-request warm-up the allocator is still growing its pools (+10% seen here
     # once): the short run allows 25%; the full run holds the 10% line
     # (perf/results/soak.json).
-    argv = ["--requests", "200", "--max-rss-growth", "0.25", "--no-progress"]
+    argv = ["--requests", "200", "--max-rss-growth", "0.25", "--no-progress", *EAGER]
     r = soak.main([*argv, "--result", str(result_file)])
     checks = {c["check"]: c for c in r["checks"]}
     failed = [c for c in r["checks"] if not c["ok"]]
@@ -129,7 +132,7 @@ def test_a_cache_that_never_preempts_fails_the_soak(tmp_path):
     args = [
         "--requests", "8", "--concurrency", "4", "--max-cache-size", "200", "--probes", "2",
         "--probe-rounds", "1", "--abort-fraction", "0", "--max-rss-growth", "10",
-        "--no-progress", "--result", str(result_file),
+        "--no-progress", "--result", str(result_file), *EAGER,
     ]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "perf.soak", *args], cwd=ROOT, capture_output=True, text=True

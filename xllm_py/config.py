@@ -395,6 +395,9 @@ class DeviceConfig:
     # Graph mode (worker/graph_runner.py): uniform decode/verify steps run compiled, padded
     # to the smallest of these batch sizes that holds them; larger steps run eager.
     enable_graph: bool = False
+    # "startup": every graph compiles before the first step; "background": on a thread of
+    # the worker while steps run eager, each bucket used once compiled (one-rank replicas)
+    graph_warm_up: str = "startup"
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     # How an FP8 checkpoint's weights are held (weights/fp8.py): "fp8" resident with their
     # block scales, or dequantised at load into the run dtype ("bfloat16" / "float32", which
@@ -414,6 +417,10 @@ class DeviceConfig:
                 f"graph_batch_sizes={list(sizes)} must be one or more positive integers"
             )
         object.__setattr__(self, "graph_batch_sizes", tuple(sorted(set(sizes))))
+        if self.graph_warm_up not in ("startup", "background"):
+            raise ValueError(
+                f"graph_warm_up={self.graph_warm_up!r} must be 'startup' or 'background'"
+            )
         if self.enable_graph and kind == "npu":
             raise ValueError("enable_graph=True is not supported on NPU yet (runs eager only)")
         if self.dtype != "auto":

@@ -63,7 +63,7 @@ class BlockManager:
         return 1.0 - len(self._free) / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     # ---- prefix cache -------------------------------------------------------------------------
 
@@ -150,3 +150,8 @@ class BlockManager:
                     self._free.move_to_end(bid, last=False)
         req.block_ids = []
         req.num_cached_blocks = 0
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks of `block_size` tokens that hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)

@@ -81,6 +81,14 @@ class DataParallelEngineCore:
         if i is not None:
             self.replicas[i].finish_request(req_id, reason)
 
+    @property
+    def num_blocks(self) -> int:
+        """The largest replica's KV blocks: the most one request can hold."""
+        return max(r.num_blocks for r in self.replicas)
+
+    def has_started(self, req_id: str) -> bool:
+        return any(r.has_started(req_id) for r in self.replicas)
+
     def has_unfinished(self) -> bool:
         return self.failure() is not None or any(r.has_unfinished() for r in self.replicas)
 

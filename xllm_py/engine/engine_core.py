@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from xllm_py.cache.block_manager import BlockManager
+from xllm_py.cache.block_manager import BlockManager, blocks_for
 from xllm_py.config import EngineConfig
 from xllm_py.engine.request import Request
 from xllm_py.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
@@ -68,54 +68,17 @@ class EngineCore:
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ValueError naming the field if this request can never be served."""
-        vocab, max_len = self.config.model.vocab_size, self.config.max_model_len
-        if not prompt_token_ids:
-            raise ValueError("prompt: must not be empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids: token id {bad[0]} is outside [0, vocab_size={vocab})"
-            )
-        n = len(prompt_token_ids)
-        if sampling.max_tokens == 0 and n > max_len:  # scoring only: the prompt must fit
-            raise ValueError(f"prompt: {n} tokens exceed the model's context of {max_len} tokens")
-        if sampling.max_tokens != 0 and n >= max_len:
-            raise ValueError(
-                f"prompt: {n} tokens leave no room to generate within the model's context "
-                f"of {max_len} tokens"
-            )
-        for t in sampling.stop_token_ids:
-            if not 0 <= t < vocab:
-                raise ValueError(f"stop_token_ids: {t} is outside [0, vocab_size={vocab})")
-        for t in sampling.logit_bias or {}:
-            if not 0 <= t < vocab:
-                raise ValueError(f"logit_bias: key {t} is outside [0, vocab_size={vocab})")
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(sampling, name) or 0) > vocab:
-                raise ValueError(f"{name}={getattr(sampling, name)} exceeds vocab_size={vocab}")
-        if sampling.structured is not None:  # a grammar that does not compile: refused here
-            from xllm_py.structured import grammars_for
+        validate_request(self.config, self.blocks.num_blocks, prompt_token_ids, sampling)
 
-            m = self.config.model
-            grammars = grammars_for(m.path, vocab, tuple(m.eos_token_ids))
-            try:
-                grammars.compile(sampling.structured)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs: {e}") from e
-        sched = self.config.scheduler
-        if not sched.enable_chunked_prefill and n > sched.max_tokens_per_batch:
-            raise ValueError(
-                f"prompt: {n} tokens exceed max_tokens_per_batch={sched.max_tokens_per_batch} "
-                "and chunked prefill is off (enable_chunked_prefill)"
-            )
-        most = max_len if sampling.max_tokens is None else sampling.max_tokens
-        longest = min(n + most, max_len)
-        need = self.blocks.blocks_needed(longest + self.config.cache.num_lookahead_tokens)
-        if need > self.blocks.num_blocks:
-            raise ValueError(
-                f"max_tokens: prompt ({n}) + max_tokens need {need} KV blocks but the cache has "
-                f"only {self.blocks.num_blocks}"
-            )
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks of the cache: the most one request can ever hold."""
+        return self.blocks.num_blocks
+
+    def has_started(self, req_id: str) -> bool:
+        """Whether some of the request's tokens were computed (it was scheduled)."""
+        req = self.requests.get(req_id)
+        return req is not None and req.num_computed_tokens > 0
 
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams
@@ -169,3 +132,56 @@ def _confidence_policy(spec) -> ConfidencePolicy | None:
     if not spec.num_speculative_tokens or spec.confidence is None or spec.adaptive:
         return None
     return ConfidencePolicy(spec.num_speculative_tokens, spec.confidence)
+
+
+def validate_request(
+    config: EngineConfig, num_blocks: int, prompt_token_ids: list[int], sampling: SamplingParams
+) -> None:
+    """Raise ValueError naming the field if this request can never be served by an engine
+    of `config` whose KV cache holds `num_blocks` blocks."""
+    vocab, max_len = config.model.vocab_size, config.max_model_len
+    if not prompt_token_ids:
+        raise ValueError("prompt: must not be empty")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside [0, vocab_size={vocab})")
+    n = len(prompt_token_ids)
+    if sampling.max_tokens == 0 and n > max_len:  # scoring only: the prompt must fit
+        raise ValueError(f"prompt: {n} tokens exceed the model's context of {max_len} tokens")
+    if sampling.max_tokens != 0 and n >= max_len:
+        raise ValueError(
+            f"prompt: {n} tokens leave no room to generate within the model's context "
+            f"of {max_len} tokens"
+        )
+    for t in sampling.stop_token_ids:
+        if not 0 <= t < vocab:
+            raise ValueError(f"stop_token_ids: {t} is outside [0, vocab_size={vocab})")
+    for t in sampling.logit_bias or {}:
+        if not 0 <= t < vocab:
+            raise ValueError(f"logit_bias: key {t} is outside [0, vocab_size={vocab})")
+    for name in ("logprobs", "prompt_logprobs"):
+        if (getattr(sampling, name) or 0) > vocab:
+            raise ValueError(f"{name}={getattr(sampling, name)} exceeds vocab_size={vocab}")
+    if sampling.structured is not None:  # a grammar that does not compile: refused here
+        from xllm_py.structured import grammars_for
+
+        m = config.model
+        grammars = grammars_for(m.path, vocab, tuple(m.eos_token_ids))
+        try:
+            grammars.compile(sampling.structured)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs: {e}") from e
+    sched = config.scheduler
+    if not sched.enable_chunked_prefill and n > sched.max_tokens_per_batch:
+        raise ValueError(
+            f"prompt: {n} tokens exceed max_tokens_per_batch={sched.max_tokens_per_batch} "
+            "and chunked prefill is off (enable_chunked_prefill)"
+        )
+    most = max_len if sampling.max_tokens is None else sampling.max_tokens
+    longest = min(n + most, max_len)
+    need = blocks_for(longest + config.cache.num_lookahead_tokens, config.cache.block_size)
+    if need > num_blocks:
+        raise ValueError(
+            f"max_tokens: prompt ({n}) + max_tokens need {need} KV blocks but the cache has "
+            f"only {num_blocks}"
+        )

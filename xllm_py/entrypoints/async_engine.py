@@ -217,7 +217,10 @@ class AsyncEngine:
         self._pending: deque[_Pending] = deque()
         self._aborts: deque[tuple[str, RequestRecord]] = deque()
         self._streams: dict[str, _Stream] = {}
-        self._wake = threading.Event()
+        # The engine core in its own process (core_process.py) sets this event when a
+        # step's outputs arrive; one in this process runs a step whenever asked.
+        self._remote = getattr(engine.core, "wake", None)
+        self._wake = self._remote or threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="xllm-engine", daemon=True)
 
@@ -316,9 +319,11 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self._admit()
-                if self.engine.has_unfinished():
+                if self.engine.has_unfinished() and self._core_ready():
                     started = time.monotonic()
                     outs = self.engine.step()
+                    if self._remote is not None:
+                        started = self.engine.core.step_started or started
                     # Stats first: a /metrics scrape made after a client got its last token
                     # must count the step that produced it.
                     self.stats = self.engine.core.stats()
@@ -330,6 +335,11 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine
             logger.exception("engine step failed; failing every in-flight request")
             self._die(e)
+
+    def _core_ready(self) -> bool:
+        """A step's outputs can be had now: always from a core in this process (it runs
+        the step), from a core process once one arrived."""
+        return self._remote is None or self.engine.core.ready_to_step()
 
     def _admit(self) -> None:
         with self._lock:
@@ -350,14 +360,13 @@ class AsyncEngine:
 
     def _publish(self, outs: list[RequestOutput], step_start: float) -> None:
         now = time.monotonic()
-        sched = self.engine.core.requests
+        core = self.engine.core
         advanced = {out.request_id for out in outs}  # (a prompt done in one step included)
         with self._lock:
             streams = dict(self._streams)
         for req_id, s in streams.items():
             rec = s.record
-            computed = req_id in sched and sched[req_id].num_computed_tokens
-            if rec.scheduled is None and (req_id in advanced or computed):
+            if rec.scheduled is None and (req_id in advanced or core.has_started(req_id)):
                 rec.scheduled = step_start  # its first tokens were computed in this step
                 self.events.on_scheduled(rec, step_start)
         for out in outs:

@@ -132,12 +132,18 @@ def build_server(a: EngineArgs) -> tuple[DrainingServer, object]:
     from xllm_py.entrypoints.async_engine import AsyncEngine
     from xllm_py.entrypoints.server_metrics import ServerMetrics
 
-    a.apply_to_process(threads=True)
+    a.apply_to_process(threads=not a.engine_core_process)
     config = a.engine_config()
     model = config.model.path
     name = a.served_model_name or os.path.basename(os.path.normpath(str(model)))
     worker_drains: list[str] = []
-    engine = AsyncEngine(LLMEngine(config, build_core(a, config, worker_drains.append)))
+    if a.engine_core_process:
+        from xllm_py.entrypoints.core_process import CoreProcessClient
+
+        core = CoreProcessClient(a.node_argv(), a.secret_env(), config, worker_drains.append)
+    else:
+        core = build_core(a, config, worker_drains.append)
+    engine = AsyncEngine(LLMEngine(config, core))
     metrics = ServerMetrics(name)
     metrics.attach(engine)
     app = build_app(engine, server_options(a, name), metrics)

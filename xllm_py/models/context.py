@@ -23,6 +23,7 @@ L context positions:
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -47,22 +48,24 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_lora_rank + rope_dim]
 
 
-_current: ForwardContext | None = None
+# One per thread: graph mode compiles its buckets on a thread of its own (a dummy step
+# each) while the engine's steps run on another (worker/graph_runner.py).
+_local = threading.local()
 
 
 @contextlib.contextmanager
 def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    global _current
-    if _current is not None:
+    if getattr(_local, "ctx", None) is not None:
         raise RuntimeError("forward_context is already set: nested forward passes are not allowed")
-    _current = ctx
+    _local.ctx = ctx
     try:
         yield ctx
     finally:
-        _current = None
+        _local.ctx = None
 
 
 def get_forward_context() -> ForwardContext:
-    if _current is None:
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
         raise RuntimeError("attention called outside forward_context(...)")
-    return _current
+    return ctx

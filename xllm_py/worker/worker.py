@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -208,6 +210,7 @@ class Worker:
                 config, self.model, config.spec.draft_model, self.device, self.dtype
             )
         self.runner: ModelRunner | None = None
+        self._compiler: threading.Thread | None = None  # graph mode's background compile
 
     @property
     def num_cache_layers(self) -> int:
@@ -356,7 +359,13 @@ class Worker:
                         name=f"MTP layer {layer}",
                     )
         if self.graph_mode and self.parallel.tp_size == 1:
-            self.warm_up_graphs()
+            if self.config.device.graph_warm_up == "background":
+                self._compiler = threading.Thread(
+                    target=self.warm_up_graphs, name="xllm-graph-compile", daemon=True
+                )
+                self._compiler.start()
+            else:
+                self.warm_up_graphs()
         elif self.graph_mode:
             logger.info("graph mode: the replica's ranks compile together at its first step")
 
@@ -391,16 +400,35 @@ class Worker:
         """Compile every graph now. The ranks of a tensor-parallel replica must do this
         together (the dummy steps all-reduce), which `execute` does at the replica's first
         step: the master sends an empty one at start-up."""
+        bind_device(self.device)  # (on the background thread too)
+        t0 = time.perf_counter()
         runners = [self.runner.graphs]
         if self.runner.proposer is not None:
             runners += self.runner.proposer.graphs.values()
+        background = self._compiler is not None
+        try:
+            # Smallest batches first, every pass of a step at each size: steps of few
+            # requests (concurrency 1 included) run compiled soonest.
+            for b in self.config.device.graph_batch_sizes:
+                for graphs in runners:
+                    graphs.warm_up(b, progress=not background)
+        except Exception:  # noqa: BLE001 - steps go on eager; the error is the log's
+            if not background:
+                raise
+            logger.exception("graph mode: compiling failed; steps keep running eager")
+            return
         for graphs in runners:
-            if not graphs.warm:
-                graphs.warm_up()
+            graphs.fast_guards = True
+        if background:
+            logger.info(
+                "graph mode: every graph compiled in %.1f s in the background; decode steps "
+                "now run compiled",
+                time.perf_counter() - t0,
+            )
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         bind_device(self.device)
-        if self.graph_mode and not self.runner.graphs.warm:
+        if self.graph_mode and self._compiler is None and not self.runner.graphs.warm:
             self.warm_up_graphs()
         return self.runner.execute(sched)
 

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""What serving adds to the step: the offline decode time per output token and the
+serving TPOT at concurrency 1, in one run, for plain and MTP decoding.
+
+    python -m perf.serving_overhead                         # bundled model, eager, k = 0 and 1
+    python -m perf.serving_overhead --graph --k 0 2         # graph mode, plain and k = 2
+
+Offline: the engine in this process (LLM), each held-out ShareGPT prompt alone, greedy,
+EOS ignored: decode time / (tokens - 1). Serving: the daemon (`python -m xllm_py`) with
+the same engine options, the same prompts as token ids, one stream at a time: (last
+token's arrival - first token's arrival) / (tokens - 1). The ratio serving / offline is
+what the HTTP process, the engine loop and streaming add. Medians over the prompts;
+results/serving_overhead.json.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import httpx
+
+from perf.common import RESULTS, close, command, machine, parser, print_block, write_json
+from perf.daemon import Server, warm_up
+from perf.step_cost import decode_run, held_out_prompts
+
+FLAGS = [
+    ("--model", str, None, "checkpoint directory (default: the bundled model)"),
+    ("--dtype", str, "float32", "weights and activations dtype"),
+    ("--k", int, [0, 1], "draft lengths to measure (0: plain decoding)"),
+    ("--graph", bool, False, "graph mode (--enable_graph) on both sides"),
+    ("--prompts", int, 4, "held-out ShareGPT prompts, each decoded alone"),
+    ("--new-tokens", int, 128, "output tokens per request"),
+    ("--out", str, str(RESULTS / "serving_overhead.json"), "JSON to write"),
+]
+
+
+def engine_options(args, k: int) -> dict:
+    opts = dict(dtype=args.dtype, num_speculative_tokens=k, enable_graph=args.graph)
+    if k:
+        opts["speculative_confidence"] = "off"  # the same k every step, on both sides
+    if args.model:
+        opts["model"] = args.model
+    return opts
+
+
+def offline(args, k: int) -> tuple[float, list[list[int]]]:
+    """Median decode ms per output token, and the prompts (token ids) it used."""
+    import os
+
+    import torch
+
+    from xllm_py import LLM
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # as the daemon's core process
+    llm = LLM(**engine_options(args, k))
+    prompts = held_out_prompts(llm, args.prompts)
+    decode_run(llm, prompts[:1], args.new_tokens)  # warm-up (graphs compile here)
+    per_token = [
+        1000 * decode_run(llm, [p], args.new_tokens)["decode_s"] / (args.new_tokens - 1)
+        for p in prompts
+    ]
+    close(llm)
+    return statistics.median(per_token), prompts
+
+
+def tpot(url: str, prompt: list[int], new_tokens: int) -> float:
+    """ms between tokens of one streamed completion (first to last arrival)."""
+    body = dict(prompt=prompt, max_tokens=new_tokens, temperature=0, ignore_eos=True,
+                stream=True, stream_options={"include_usage": True})  # fmt: skip
+    first = last = None
+    tokens_first = tokens = 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            elif event["choices"] and event["choices"][0]["text"]:
+                last = time.perf_counter()
+                if first is None:
+                    first, tokens_first = last, 1
+    if tokens != new_tokens or first is None:
+        raise RuntimeError(f"expected {new_tokens} streamed tokens, got {tokens}")
+    return 1000 * (last - first) / (tokens - tokens_first)
+
+
+def serving(args, k: int, prompts: list[list[int]]) -> float:
+    opts = engine_options(args, k)
+    flags = [f"--{name}={value}" for name, value in opts.items()]
+    with Server(*flags, startup_timeout=900) as s:
+        warm_up(s.url)
+        tpot(s.url, prompts[0], args.new_tokens)  # warm-up, as offline
+        return statistics.median(tpot(s.url, p, args.new_tokens) for p in prompts)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser(__doc__, FLAGS).parse_args(argv)
+    rows = []
+    for k in args.k:
+        off, prompts = offline(args, k)
+        srv = serving(args, k, prompts)
+        rows.append(dict(k=k, offline_ms_per_token=off, serving_tpot_ms=srv, ratio=srv / off))
+        print_block(
+            f"k={k}{' graph' if args.graph else ''}",
+            [("offline ms/token", f"{off:.2f}"), ("serving TPOT ms", f"{srv:.2f}"),
+             ("serving / offline", f"{srv / off:.2f}x")],
+        )  # fmt: skip
+    result = dict(command=command("serving_overhead", argv), machine=machine(), rows=rows)
+    write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

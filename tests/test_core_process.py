@@ -1,0 +1,61 @@
+"""The engine core in its own process (xllm_py/entrypoints/core_process.py), against the
+real daemon: answers come through the core process, and when the core dies mid-stream
+every client gets an error, /health answers 503 and the daemon exits non-zero."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+
+from tests.server_utils import Server
+
+
+def _core_pid(daemon_pid: int) -> int:
+    children = Path(f"/proc/{daemon_pid}/task/{daemon_pid}/children").read_text().split()
+    for pid in map(int, children):
+        if "core_process" in Path(f"/proc/{pid}/cmdline").read_text():
+            return pid
+    raise AssertionError(f"no engine core process among the daemon's children {children}")
+
+
+def _stream(url: str, events: list, started: threading.Event) -> None:
+    body = {"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+
+
+def test_killing_the_core_mid_stream_fails_every_client_and_the_daemon():
+    s = Server(
+        "--dtype=float32",
+        "--num_speculative_tokens=1",
+    )
+    try:
+        core = _core_pid(s.proc.pid)
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+        streams = [([], threading.Event()) for _ in range(2)]
+        threads = [threading.Thread(target=_stream, args=(s.url, *st)) for st in streams]
+        for t in threads:
+            t.start()
+        for _, started in streams:
+            assert started.wait(60), "no stream started"
+        os.kill(core, signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        for events, _ in streams:
+            assert events[-1] == "[DONE]"
+            err = json.loads(events[-2])["error"]
+            assert "engine core process exited" in err["message"], err
+            assert err["type"] == "server_error"
+        health = httpx.get(s.url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "dead"
+        assert s.proc.wait(60) != 0
+    finally:
+        s.stop()
