@@ -49,8 +49,8 @@ from xllm_py.sampling_params import SamplingParams
 logger = logging.getLogger("xllm")
 MAX_PENDING_STEPS = 256  # unread Steps the HTTP side holds before the core waits
 FDS_ENV = "XLLM_CORE_FDS"  # "<read fd>,<write fd>": the core's ends of the two pipes
-STOP_WAIT_S = 30.0
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s (engine core): %(message)s"  # a core told to shut down gets this long, then it is killed
+STOP_WAIT_S = 30.0  # a core told to shut down gets this long, then it is killed
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s (engine core): %(message)s"
 
 
 # ---- the messages -------------------------------------------------------------------------
