@@ -13,33 +13,41 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 
+# dtype names and the torch dtype each means (torch is imported only when one is asked
+# for: the daemon's HTTP process reads these configs and never runs a tensor)
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
 }
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
+def dtype_name(name: str) -> str:
+    """The canonical name of a dtype name ("bf16" -> "bfloat16"); ValueError naming it."""
     try:
         return _DTYPES[str(name).lower()]
     except KeyError:
         raise ValueError(
             f"dtype={name!r} is not supported; use one of {sorted(set(_DTYPES))}"
         ) from None
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch
+
+    return name if isinstance(name, torch.dtype) else getattr(torch, dtype_name(name))
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -424,7 +432,7 @@ class DeviceConfig:
         if self.enable_graph and kind == "npu":
             raise ValueError("enable_graph=True is not supported on NPU yet (runs eager only)")
         if self.dtype != "auto":
-            parse_dtype(self.dtype)
+            dtype_name(self.dtype)
         self._check_weight_dtype()
 
     def _check_weight_dtype(self) -> None:
@@ -437,21 +445,24 @@ class DeviceConfig:
                 "weight_dtype=fp8 with enable_graph=True is not implemented (FP8-resident "
                 "weights run eager); use weight_dtype=bf16 for graph mode"
             )
-        if wd not in ("auto", "fp8") and parse_dtype(wd) != self.torch_dtype():
+        if wd not in ("auto", "fp8") and wd != self.dtype_name:
             raise ValueError(
                 f"weight_dtype={wd}: dequantised weights take the run dtype, which is "
-                f"{str(self.torch_dtype()).removeprefix('torch.')} (set dtype={wd} too)"
+                f"{self.dtype_name} (set dtype={wd} too)"
             )
 
     def torch_dtype(self) -> torch.dtype:
         """auto: bfloat16 on accelerators; float32 on CPU, where this engine's small decode
         matmuls ran faster in float32 than in bfloat16 even with AVX512-BF16 (3.3 vs 4.3 ms
         per token on the bundled model, 2 cores)."""
+        return parse_dtype(self.dtype_name)
+
+    @property
+    def dtype_name(self) -> str:
+        """The run dtype's name (torch_dtype without importing torch)."""
         if self.dtype != "auto":
-            return parse_dtype(self.dtype)
-        if self.device.startswith("cpu"):
-            return torch.float32
-        return torch.bfloat16
+            return dtype_name(self.dtype)
+        return "float32" if self.device.startswith("cpu") else "bfloat16"
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,12 @@ import functools
 import json
 import re
 import threading
-
-import torch
+from typing import TYPE_CHECKING
 
 from xllm_py.sampling_params import StructuredOutput
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made (the HTTP process makes none)
+    import torch
 
 DEFAULT_CACHE_BYTES = 256 << 20  # --grammar_cache_bytes' default
 SLOW_SPECS_KEPT = 1024  # specs remembered as too slow to compile (refused without a compile)
@@ -389,5 +391,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bool [rows, vocab] from a packed bitmask [rows, ceil(vocab / 32)] (bit b of word w
     is token 32 w + b)."""
+    import torch
+
     bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     return bits.flatten(1)[:, :vocab_size].bool()
