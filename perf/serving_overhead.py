@@ -4,6 +4,12 @@ serving TPOT at concurrency 1, in one run, for plain and MTP decoding.
 
     python -m perf.serving_overhead                         # bundled model, eager, k = 0 and 1
     python -m perf.serving_overhead --graph --k 0 2         # graph mode, plain and k = 2
+    python -m perf.serving_overhead --startup               # the daemon's default start-up
+
+--startup: the daemon as `make serve` starts it (graph mode by its default, compiled in the
+background), twice over one fresh --compile_cache_dir: seconds to a healthy /health, the
+TPOT of a request served at once, seconds until the log says every graph is compiled, the
+TPOT then (results/serving_startup.json).
 
 Offline: the engine in this process (LLM), each held-out ShareGPT prompt alone, greedy,
 EOS ignored: decode time / (tokens - 1). Serving: the daemon (`python -m xllm_py`) with
@@ -32,8 +38,10 @@ FLAGS = [
     ("--graph", bool, False, "graph mode (--enable_graph) on both sides"),
     ("--prompts", int, 4, "held-out ShareGPT prompts, each decoded alone"),
     ("--new-tokens", int, 128, "output tokens per request"),
-    ("--out", str, str(RESULTS / "serving_overhead.json"), "JSON to write"),
+    ("--startup", bool, False, "measure the default start-up, fresh and with the cache"),
+    ("--out", str, None, "JSON to write (default: results/serving_<overhead|startup>.json)"),
 ]
+COMPILED = "every graph compiled"  # the worker's log line once graph mode is complete
 
 
 def engine_options(args, k: int) -> dict:
@@ -96,8 +104,38 @@ def serving(args, k: int, prompts: list[list[int]]) -> float:
         return statistics.median(tpot(s.url, p, args.new_tokens) for p in prompts)
 
 
+def startup(args, prompt: list[int], cache_dir: str) -> dict:
+    """One start of the default daemon (MTP k = the last --k)."""
+    flags = [f"--num_speculative_tokens={args.k[-1]}", f"--compile_cache_dir={cache_dir}"]
+    t0 = time.monotonic()
+    with Server(*flags, startup_timeout=900) as s:
+        healthy = time.monotonic() - t0
+        at_once = tpot(s.url, prompt, args.new_tokens)
+        while COMPILED not in s.output():
+            if time.monotonic() - t0 > 1800:
+                raise RuntimeError(f"graphs not compiled in 1800 s:\n{s.output()[-2000:]}")
+            time.sleep(0.5)
+        compiled = time.monotonic() - t0
+        after = statistics.median(tpot(s.url, prompt, args.new_tokens) for _ in range(3))
+    return dict(healthy_s=healthy, tpot_at_once_ms=at_once, compiled_s=compiled,
+                tpot_compiled_ms=after)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parser(__doc__, FLAGS).parse_args(argv)
+    if args.startup:
+        import tempfile
+
+        from xllm_py import LLM
+
+        prompt = held_out_prompts(LLM(**engine_options(args, 0)), 1)[0]
+        with tempfile.TemporaryDirectory() as cache:
+            runs = {run: startup(args, prompt, cache) for run in ("fresh", "restart")}
+        for run, row in runs.items():
+            print_block(f"start-up, {run} compile cache", [(k, f"{v:.2f}") for k, v in row.items()])
+        result = dict(command=command("serving_overhead", argv), machine=machine(), **runs)
+        write_json(args.out or RESULTS / "serving_startup.json", result)
+        return result
     rows = []
     for k in args.k:
         off, prompts = offline(args, k)
@@ -109,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
              ("serving / offline", f"{srv / off:.2f}x")],
         )  # fmt: skip
     result = dict(command=command("serving_overhead", argv), machine=machine(), rows=rows)
-    write_json(args.out, result)
+    write_json(args.out or RESULTS / "serving_overhead.json", result)
     return result
 
 

