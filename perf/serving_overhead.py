@@ -46,6 +46,7 @@ COMPILED = "every graph compiled"  # the worker's log line once graph mode is co
 
 def engine_options(args, k: int) -> dict:
     opts = dict(dtype=args.dtype, num_speculative_tokens=k, enable_graph=args.graph)
+    opts["graph_warm_up"] = "startup"  # both sides measured with every graph compiled
     if k:
         opts["speculative_confidence"] = "off"  # the same k every step, on both sides
     if args.model:

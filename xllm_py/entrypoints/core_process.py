@@ -49,6 +49,7 @@ from xllm_py.sampling_params import SamplingParams
 logger = logging.getLogger("xllm")
 MAX_PENDING_STEPS = 256  # unread Steps the HTTP side holds before the core waits
 FDS_ENV = "XLLM_CORE_FDS"  # "<read fd>,<write fd>": the core's ends of the two pipes
+IDLE_WAIT_S = 0.05  # an idle core looks for work this often
 STOP_WAIT_S = 30.0  # a core told to shut down gets this long, then it is killed
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s (engine core): %(message)s"
 
@@ -133,8 +134,10 @@ def run_core(core, channel: _Channel) -> int:
     channel.send(Ready(core.num_blocks, core.stats()))
     started: set[str] = set()
     while True:
-        busy = core.has_unfinished()
-        msg = channel.recv(0 if busy else None)
+        # Idle, wait for a message, but not forever: a cluster's core has work to do when
+        # its health monitor declares a worker dead (the step then raises).
+        msg = channel.recv(0 if core.has_unfinished() else IDLE_WAIT_S)
+        admitted = msg is not None
         while msg is not None:
             if isinstance(msg, Shutdown):
                 core.shutdown(msg.reason, msg.failure)
@@ -145,7 +148,8 @@ def run_core(core, channel: _Channel) -> int:
                 core.finish_request(msg.req_id, msg.reason)
             msg = channel.recv(0)
         if not core.has_unfinished():
-            channel.send(Step(time.monotonic(), [], [], core.stats()))  # aborts: fresh stats
+            if admitted:  # aborts while idle: fresh stats
+                channel.send(Step(time.monotonic(), [], [], core.stats()))
             continue
         t0 = time.monotonic()
         try:
