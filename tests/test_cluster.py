@@ -312,7 +312,8 @@ def test_two_node_graph_mode_equals_one_node(offline_greedy):
     all-reduces of attention and MoE inside the graphs), MTP k = 1: the offline API's output."""
     flags = ("--dtype=float32", "--num_speculative_tokens=1", "--enable_graph=true")
     with Cluster(*flags, "--graph_batch_sizes", "4", layout=LAYOUTS["ep"]) as c:
-        c.wait_healthy(timeout=400)  # both ranks compile 3 graphs first
+        # both ranks compile 3 graphs first: over 400 s on a loaded 2-core machine
+        c.wait_healthy(timeout=900)
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda p: complete(c.url, p), PROMPTS))
         assert got == offline_greedy
