@@ -354,8 +354,7 @@ class RssSampler(threading.Thread):
         task = Path(f"/proc/{self.pid}/task/{self.pid}/children")
         pids = [self.pid, *map(int, task.read_text().split())]
         kib = sum(
-            int(Path(f"/proc/{p}/status").read_text().split("VmRSS:")[1].split()[0])
-            for p in pids
+            int(Path(f"/proc/{p}/status").read_text().split("VmRSS:")[1].split()[0]) for p in pids
         )
         self.samples.append((time.monotonic() - self.t0, kib, self.progress.finished))
 
