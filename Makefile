@@ -29,8 +29,9 @@ $(STAMP): pyproject.toml
 PYTEST_WORKERS ?= 2
 # The tests marked `slow` (graph exactness at scale and 2-rank TP in graph mode, about 35 minutes)
 # are left out: `make test-slow`.
+# Triton kernels run in Triton's interpreter here (on CPU tensors; a GPU's too, if any).
 test: setup
-	$(VPY) -m pytest tests -m "not slow" $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+	TRITON_INTERPRET=1 $(VPY) -m pytest tests -m "not slow" $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 test-slow: setup
 	$(VPY) -m pytest -m slow tests
@@ -38,7 +39,7 @@ test-slow: setup
 # The tests marked `gpu` (a CUDA device); without one they are skipped and this says so.
 test-gpu: setup
 	@$(VPY) -c "import torch; torch.cuda.is_available() or print('make test-gpu: no CUDA device here, every GPU test is skipped')"
-	$(VPY) -m pytest -m gpu -rs tests
+	TRITON_INTERPRET=0 $(VPY) -m pytest -m gpu -rs tests
 
 # GPU decode report (perf/README.md): a random ~2.6B DeepSeek-V3-shaped checkpoint with MTP,
 # bf16 and FP8, -> perf/results/gpu/<device>.json. Without CUDA it runs the tiny preset on CPU.

@@ -15,6 +15,12 @@ ENGINE_CONFIG = "noq_yarn_mscale_grouped"  # YaRN, grouped routing, one dense la
 
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
+# Without a GPU, Triton kernels (xllm_py/ops) run on CPU tensors through Triton's
+# interpreter. Triton reads this when a kernel is defined, so it is set before any test
+# module imports one; the engine processes tests start inherit it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 _TEXT = (
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens and "
     "verifies them in one pass. DeepSeek-V3 uses multi-head latent attention and a mixture of "

@@ -29,6 +29,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from xllm_py.config import ATTENTION_BACKENDS, MOE_BACKENDS
+
 GROUPS = {  # concern -> heading of its flags in --help, in this order
     "model": "model and devices",
     "speculative": "speculative decoding (MTP)",
@@ -99,6 +101,15 @@ class EngineArgs:
         "dequantised per matmul), bf16 or float32 (dequantised at load; must equal --dtype); "
         "auto = fp8 where the device has a block-scaled FP8 GEMM and graph mode is off, else "
         "dequantised at load")  # fmt: skip
+    attention_backend: str = option("auto", "model", "MLA attention kernel: torch (block-"
+        "wise over the paged cache), triton (the Triton paged-MLA kernel, in place, split-KV), "
+        "flashinfer or flashmla (named, adapters not written yet). auto = triton on CUDA (and "
+        "on NPU with triton-ascend), torch on CPU; triton on CPU needs TRITON_INTERPRET=1 (a "
+        "correctness check, very slow)", choices=list(ATTENTION_BACKENDS))  # fmt: skip
+    moe_backend: str = option("auto", "model", "routed-expert kernel: torch (grouped loop "
+        "over the active experts) or triton (fused MoE: sorted on the device, grouped GEMMs, "
+        "bf16 or block FP8). auto = triton on CUDA (and on NPU with triton-ascend), torch on "
+        "CPU", choices=list(MOE_BACKENDS))  # fmt: skip
     enable_mla: bool = option(True, "model", "use MLA attention (required: DeepSeek-V3 has only "
         "MLA)", check=lambda v: None if v else "DeepSeek-V3 models use MLA attention; it must "
         "be true")  # fmt: skip
@@ -411,6 +422,8 @@ class EngineArgs:
                 graph_warm_up=self.graph_warm_up,
                 graph_batch_sizes=tuple(self.graph_batch_sizes),
                 weight_dtype=self.weight_dtype,
+                attention_backend=self.attention_backend,
+                moe_backend=self.moe_backend,
             ),
             spec=self._spec_config(),
         )

@@ -395,6 +395,10 @@ class SpecConfig:
             )
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer", "flashmla")
+MOE_BACKENDS = ("auto", "torch", "triton")
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "cpu"
@@ -412,8 +416,20 @@ class DeviceConfig:
     # must then be the run dtype). "auto": fp8 where the device has a block-scaled FP8 GEMM
     # (and graph mode is off), else dequantised. Checkpoints without FP8: ignored.
     weight_dtype: str = "auto"
+    # Kernels (ops/backends.py): auto, torch, triton (attention also flashinfer, flashmla);
+    # resolved against what this device has when the worker starts.
+    attention_backend: str = "auto"
+    moe_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        for flag, allowed in (
+            ("attention_backend", ATTENTION_BACKENDS),
+            ("moe_backend", MOE_BACKENDS),
+        ):
+            if getattr(self, flag) not in allowed:
+                raise ValueError(
+                    f"{flag}={getattr(self, flag)!r} must be one of {', '.join(allowed)}"
+                )
         kind, _, index = self.device.partition(":")
         if kind not in ("cpu", "cuda", "npu") or (index and not index.isdigit()):
             raise ValueError(f"device={self.device!r} must be cpu, cuda[:N] or npu[:N]")

@@ -45,7 +45,6 @@ def build_groups(
     block_table: torch.Tensor,
     block_size: int,
     num_rows: int,
-    dtype: torch.dtype,
 ) -> list[AttnGroup]:
     short = [i for i, r in enumerate(reqs) if r.q_len <= ABSORB_MAX_Q]
     long = [i for i, r in enumerate(reqs) if r.q_len > ABSORB_MAX_Q]
@@ -53,9 +52,7 @@ def build_groups(
     for absorbed, idx in ((True, short), (False, long)):
         if idx:
             groups.append(
-                _group(
-                    [reqs[i] for i in idx], block_table[idx], block_size, num_rows, absorbed, dtype
-                )
+                _group([reqs[i] for i in idx], block_table[idx], block_size, num_rows, absorbed)
             )
     return groups
 
@@ -66,7 +63,6 @@ def _group(
     block_size: int,
     num_rows: int,
     absorbed: bool,
-    dtype: torch.dtype,
 ) -> AttnGroup:
     device = block_table.device
     B = len(reqs)
@@ -83,15 +79,11 @@ def _group(
         q_valid, (ctx_lens - q_lens).unsqueeze(1) + ar_q, 0
     )  # padding rows see key 0
     width = -(-L // block_size)  # the table is padded to its longest row
-    kv_blocks = block_table[:, :width]  # with block 0, masked like every position past ctx_len
-    L = width * block_size  # whole blocks are gathered; positions past ctx_len are masked
-    key_pos = torch.arange(L, device=device)
-    allowed = key_pos.view(1, 1, L) <= q_pos.unsqueeze(2)  # [B, Q, L] causal within the context
-    if absorbed:
-        mask = torch.zeros(B, Q, 1, L, dtype=dtype, device=device)
-        mask.masked_fill_(~allowed.unsqueeze(2), float("-inf"))
-    else:
-        mask = allowed.unsqueeze(1)
+    kv_blocks = block_table[:, :width]  # with block 0, never read past a request's ctx_len
+    mask = None  # the absorbed form masks from ctx_lens and q_lens as it reads the cache
+    if not absorbed:  # the expanded form gathers whole blocks: positions past ctx_len masked
+        key_pos = torch.arange(width * block_size, device=device)
+        mask = (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)  # [B, 1, Q, L]
     all_valid = all(r.q_len == Q for r in reqs)
     q_index = None
     if not identity:
@@ -105,6 +97,8 @@ def _group(
         mask=mask,
         batch=B,
         q_len=Q,
+        ctx_lens=ctx_lens,
+        q_lens=q_lens,
     )
 
 
@@ -113,7 +107,6 @@ def build_context(
     positions: torch.Tensor,
     kv_caches: list[torch.Tensor],
     block_size: int,
-    dtype: torch.dtype,
 ) -> ForwardContext:
     """The forward context of one pass over `layouts` (rows in layout order, `positions` [T])."""
     dev = positions.device
@@ -122,5 +115,5 @@ def build_context(
         [i for i, lay in enumerate(layouts) for _ in range(lay.q_len)], device=dev
     )
     slots = slot_mapping(table, row_req, positions, block_size)
-    groups = build_groups(layouts, table, block_size, len(positions), dtype)
+    groups = build_groups(layouts, table, block_size, len(positions))
     return ForwardContext(slots, groups, kv_caches)

@@ -14,10 +14,14 @@ L context positions:
     q_index   [B, Q]    row of each query in the flat batch (None: rows are
                         exactly arange(T).view(B, Q), so no gather/scatter)
     q_valid   [B, Q]    False on padding rows
-    kv_blocks [B, L / block_size]  block table rows; the context is gathered a whole
-                        block at a time, so L is a multiple of block_size and
-                        positions past a request's length are masked
-    mask      absorbed: additive [B, Q, 1, L] (0 / -inf); expanded: bool [B, 1, Q, L]
+    kv_blocks [B, L / block_size]  block table rows (padded with any block id: entries
+                        past a request's length are never attended to)
+    ctx_lens  [B]       context length after this step (computed + q_len)
+    q_lens    [B]       valid query rows; row i sits at position ctx_len - q_len + i
+                        and sees keys up to it (the absorbed form reads the cache in
+                        place from these: ops/paged_mla.py)
+    mask      expanded only: bool [B, 1, Q, L], L a multiple of block_size (the
+                        expanded form gathers whole blocks); None for the absorbed form
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ class AttnGroup:
     q_index: torch.Tensor | None  # [B, Q] or None for the identity layout
     q_valid: torch.Tensor | None  # [B, Q] bool, None when every row is valid
     kv_blocks: torch.Tensor  # [B, L / block_size]
-    mask: torch.Tensor  # see module docstring
+    mask: torch.Tensor | None  # expanded form only; see module docstring
     batch: int
     q_len: int
+    ctx_lens: torch.Tensor | None = None  # [B]
+    q_lens: torch.Tensor | None = None  # [B]
 
 
 @dataclass

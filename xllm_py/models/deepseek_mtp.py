@@ -62,7 +62,8 @@ class MTPLayer(DecoderLayer):
     def predict(self, hidden: torch.Tensor, next_embeds: torch.Tensor, rope) -> torch.Tensor:
         """h_i [T, hidden] and embed(t_{i+1}) [T, hidden] -> block output [T, hidden]."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        return self(x, rope)
+        h, delta = self(x, rope)
+        return h + delta  # the block output is used twice (head norm, next step's hnorm)
 
 
 class DeepseekV3MTP(nn.Module):

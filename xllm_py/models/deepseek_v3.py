@@ -7,6 +7,10 @@
     hidden = norm(h)                          # returned: the MTP draft needs it
     logits = lm_head(hidden[rows to sample])  # only where a token is sampled; float32
 
+Each `h = h + ...` and the norm after it run as one fused add + RMSNorm kernel with
+--attention_backend=triton (ops/rms_norm.py), so a layer hands the next one its output
+un-added (`DecoderLayer.forward`).
+
 Parameter names mirror the checkpoint, so loading is a name-for-name copy;
 `process_weights_after_loading` then fuses and re-lays weights for speed.
 The model knows nothing of requests or blocks: the batch layout arrives
@@ -53,9 +57,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, rope: torch.Tensor, delta: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, hidden]: the residual stream; delta: the previous layer's output, not yet
+        added to h (None for the first layer). Returns (h, delta) likewise, this layer's MLP
+        output left for whichever norm comes next to add: every add is then followed by a
+        norm (`add_and_norm`: one kernel with the Triton kernels; with the torch ones the
+        same adds and norms, in the same order, as the picture at the top of this file)."""
+        if delta is None:
+            x = self.input_layernorm(h)
+        else:
+            x, h = self.input_layernorm.add_and_norm(delta, h)
+        x, h = self.post_attention_layernorm.add_and_norm(self.self_attn(x, rope), h)
+        return h, self.mlp(x)
 
 
 class DeepseekV3Model(nn.Module):
@@ -94,10 +109,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states after the final norm [T, hidden]."""
         rope = self.rotary(positions)
-        h = self.model.embed_tokens(input_ids)
+        h, delta = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            h = layer(h, rope)
-        return self.model.norm(h)
+            h, delta = layer(h, rope, delta)
+        return self.model.norm.add_and_norm(delta, h)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab], the same on every rank (under

@@ -222,6 +222,6 @@ class MTPProposer:
         if key is not None:
             return graphs.run(key, ids, positions, layouts, [hidden])
         pos = torch.tensor(positions, device=self.device)
-        ctx = build_context(layouts, pos, self.kv_caches, self.block_size, self.dtype)
+        ctx = build_context(layouts, pos, self.kv_caches, self.block_size)
         with forward_context(ctx):
             return self.draft(torch.tensor(ids, device=self.device), pos, hidden, step)

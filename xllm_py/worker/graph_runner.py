@@ -24,9 +24,9 @@ Per step the graph's inputs are
     extra row inputs  [B * Q, ...]  (the MTP passes' hidden states), zero-padded
     kv_blocks  [B, W]       W = blocks of the step's longest context, the one size that
                             varies (a dynamic dimension of the graph, not a recompile)
-    mask       [B, Q, 1, W * block_size]  additive, built from the lengths
+    ctx_lens, q_lens  [B]   the requests' lengths (padding requests: Q and Q)
 
-(the last three made per step), the last two held by the bucket's one `ForwardContext`,
+(the last four made per step), the last three held by the bucket's one `ForwardContext`,
 installed around the call. Padding rows write their (ignored) cache entries into a
 scratch block past the block manager's blocks; their outputs are dropped.
 
@@ -66,7 +66,7 @@ class _Bucket:
     q_len: int
     input_ids: torch.Tensor
     positions: torch.Tensor
-    ctx: ForwardContext  # its one AttnGroup's kv_blocks and mask are set per step
+    ctx: ForwardContext  # its one AttnGroup's block table and lengths are set per step
 
 
 class GraphRunner:
@@ -207,13 +207,10 @@ class GraphRunner:
         table = [(lay.block_ids + [scratch] * width)[:width] for lay in layouts]
         group = bk.ctx.groups[0]
         group.kv_blocks = torch.tensor(table + [[scratch] * width] * pad_reqs, device=dev)
-        # row j of request b sees keys 0 .. its position (padding requests: the scratch
-        # block's first Q slots, which their own rows write)
-        q_pos = torch.tensor(pos).view(B, Q)
-        allowed = torch.arange(width * bs).view(1, 1, -1) <= q_pos.unsqueeze(-1)  # [B, Q, L]
-        group.mask = torch.where(allowed, 0.0, float("-inf")).to(dev, self.dtype).unsqueeze(2)
+        # A padding request's Q rows see the scratch block's first Q slots, which they write.
+        group.ctx_lens = torch.tensor([lay.ctx_len for lay in layouts] + [Q] * pad_reqs, device=dev)
+        group.q_lens = torch.tensor([lay.q_len for lay in layouts] + [Q] * pad_reqs, device=dev)
         torch._dynamo.mark_dynamic(group.kv_blocks, 1)
-        torch._dynamo.mark_dynamic(group.mask, 3)
         n = len(real)
         dense = real[-1] == n - 1  # the real rows are rows 0 .. n-1: no gather, no scatter
         index = None if dense else torch.tensor(real, device=dev)

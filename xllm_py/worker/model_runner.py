@@ -171,7 +171,7 @@ class ModelRunner:
 
     def _forward(self, input_ids, positions, layouts) -> torch.Tensor:
         pos = torch.tensor(positions, device=self.device)
-        ctx = build_context(layouts, pos, self.kv_caches, self.block_size, self.dtype)
+        ctx = build_context(layouts, pos, self.kv_caches, self.block_size)
         with forward_context(ctx):
             return self.model(torch.tensor(input_ids, device=self.device), pos)
 

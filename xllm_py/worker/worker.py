@@ -24,6 +24,8 @@ from xllm_py.models.deepseek_mtp import (
     read_draft_config,
 )
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
+from xllm_py.ops.backends import install as install_kernels
+from xllm_py.ops.backends import select_kernels
 from xllm_py.parallel.context import SINGLE, ParallelContext
 from xllm_py.speculative.hot_vocab import TOKEN_MAP_FILE, HotVocabHead, load_token_map
 from xllm_py.speculative.mtp_proposer import MTPProposer
@@ -203,12 +205,15 @@ class Worker:
         self.device = torch.device(config.device.device)
         self.dtype = config.device.torch_dtype()
         bind_device(self.device)
+        self.kernels = select_kernels(config.device)  # before loading: a bad flag fails fast
         self.model = load_target_model(config, self.device, self.dtype, parallel)
+        install_kernels(self.model, self.kernels)
         self.draft: DeepseekV3MTP | None = None
         if config.spec.num_speculative_tokens:
             self.draft = load_draft_model(
                 config, self.model, config.spec.draft_model, self.device, self.dtype
             )
+            install_kernels(self.draft, self.kernels)
         self.runner: ModelRunner | None = None
         self._compiler: threading.Thread | None = None  # graph mode's background compile
 
@@ -286,7 +291,7 @@ class Worker:
         layout = [RequestLayout(0, tokens, tokens, list(range(-(-tokens // bs))))]
         pos = torch.arange(tokens, device=self.device)
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        with forward_context(build_context(layout, pos, caches, bs, self.dtype)):
+        with forward_context(build_context(layout, pos, caches, bs)):
             hidden = self.model(ids, pos)
         k = self.config.spec.num_speculative_tokens
         rows = min(tokens, self.config.scheduler.max_seqs_per_batch * (1 + k))

@@ -6,12 +6,15 @@ the `[num_slots, kv_lora_rank + qk_rope_head_dim]` cache, whatever the head
 count.
 
 Two equivalent forms (tests check they agree):
-  expanded  K, V = kv_b_proj(c_kv) per head, then ordinary attention; cheaper
-            when many queries share the context (prefill).
+  expanded  K, V = kv_b_proj(c_kv) per head, then ordinary attention over the
+            context gathered from the cache; cheaper when many queries share the
+            context (prefill).
   absorbed  kv_b_proj viewed as [H, nope + v, kv_lora]; its key half W_UK is
             folded into the query (q_nope @ W_UK is a latent query) and its
             value half W_UV into the output, so attention runs directly over
-            the cached latents (decode, draft verification).
+            the cached latents (decode, draft verification), read in place
+            through the block table by the kernel --attention_backend chose
+            (ops/paged_mla.py: block-wise torch, or Triton).
 
 Tensor parallel: heads split across the tp ranks. q_b_proj (or q_proj) and
 kv_b_proj are column-split by head (their output rows are grouped per head),
@@ -22,6 +25,8 @@ every rank.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +44,12 @@ from xllm_py.models.layers.linear import (
 )
 from xllm_py.models.layers.norm import RMSNorm
 from xllm_py.models.layers.rope import apply_rope
+from xllm_py.ops.paged_mla import paged_mla_torch
+from xllm_py.ops.rotary import apply_rope_triton
 from xllm_py.parallel.context import SINGLE, ParallelContext
+
+if TYPE_CHECKING:
+    from xllm_py.ops.backends import Kernels
 
 
 class MLAttention(nn.Module):
@@ -70,6 +80,11 @@ class MLAttention(nn.Module):
             cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), parallel
         )
         self.o_proj = RowParallelLinear(heads * cfg.v_head_dim, hidden, parallel)
+        # The absorbed form's kernel (ops/backends.py; the worker may install another).
+        self.paged_mla = paged_mla_torch
+        # The rotary kernel, chosen with the attention backend: models/layers/rope.py's
+        # apply_rope, or with the Triton backend ops/rotary.py's (same contract).
+        self.rotate = apply_rope
 
     def process_weights_after_loading(self) -> None:
         # Every projection that reads x runs as one matmul: [q (or q_a) | c_kv | k_pe].
@@ -100,7 +115,7 @@ class MLAttention(nn.Module):
         q = q.view(T, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         # One rotation for the query heads and the shared key together: [T, H + 1, rope].
-        q_pe, k_pe = apply_rope(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), rope).split(
+        q_pe, k_pe = self.rotate(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), rope).split(
             [self.num_heads, 1], dim=1
         )
         k_pe = k_pe.squeeze(1)
@@ -122,34 +137,35 @@ class MLAttention(nn.Module):
                     out[group.q_index[group.q_valid]] = o[group.q_valid.view(-1)]
         return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
 
+    def use_kernels(self, kernels: Kernels) -> None:
+        self.paged_mla = kernels.paged_mla()
+        self.rotate = apply_rope_triton if kernels.attention == "triton" else apply_rope
+
     def _attend(self, q_nope, q_pe, cache, g: AttnGroup) -> torch.Tensor:
         """q_nope [B*Q (or B, Q), H, nope], q_pe [.., H, rope] -> [B * Q, H, v]."""
+        if g.absorbed:
+            return self._absorbed(q_nope, q_pe, cache, g)
         num_blocks, block_size, dim = cache.shape
         # index_select copies whole rows (one block each); [] indexing goes element by element.
         kv = cache.view(num_blocks, -1).index_select(0, g.kv_blocks.reshape(-1))
-        kv = kv.view(g.batch, -1, dim)  # [B, L, dim]
-        if g.absorbed:
-            return self._absorbed(q_nope, q_pe, kv, g)
-        return self._expanded(q_nope, q_pe, kv, g)
+        return self._expanded(q_nope, q_pe, kv.view(g.batch, -1, dim), g)  # kv [B, L, dim]
 
-    def _absorbed(self, q_nope, q_pe, kv, g: AttnGroup) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_pe, cache, g: AttnGroup) -> torch.Tensor:
+        """Attention over the cached latents, read in place through the block table."""
         H, B, Q = self.num_heads, g.batch, g.q_len
         q_nope = q_nope.reshape(B * Q, H, self.nope_dim)
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [BQ, H, kv_lora]
         q = torch.cat([q_lat, q_pe.reshape(B * Q, H, self.rope_dim)], dim=-1)
-        if Q == 1:  # decode: mask [B, 1, 1, L] broadcasts over heads; one fused op
-            scores = torch.baddbmm(
-                g.mask.view(B, 1, -1), q.view(B, H, -1), kv.transpose(1, 2), alpha=self.scale
-            )
-        else:
-            scores = torch.bmm(q.view(B, Q * H, -1), kv.transpose(1, 2))  # [B, Q*H, L]
-            scores = (scores.view(B, Q, H, -1) * self.scale + g.mask).view(B, Q * H, -1)
-        if scores.dtype == torch.float32:
-            probs = torch.softmax(scores, dim=-1)
-        else:
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(kv.dtype)
-        o_lat = torch.bmm(probs, kv[..., : self.kv_lora_rank])  # [B, Q*H, kv_lora]
-        o = torch.bmm(o_lat.view(B * Q, H, -1).transpose(0, 1), self.w_uv)  # [H, BQ, v]
+        o_lat = self.paged_mla(  # [B, Q, H, kv_lora]
+            q.view(B, Q, H, -1),
+            cache,
+            g.kv_blocks,
+            g.ctx_lens,
+            g.q_lens,
+            self.scale,
+            self.kv_lora_rank,
+        )
+        o = torch.bmm(o_lat.reshape(B * Q, H, -1).transpose(0, 1), self.w_uv)  # [H, BQ, v]
         return o.transpose(0, 1)
 
     def _expanded(self, q_nope, q_pe, kv, g: AttnGroup) -> torch.Tensor:

@@ -22,6 +22,8 @@ added and all-reduced once.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +32,9 @@ from xllm_py.config import ModelConfig
 from xllm_py.models.layers.linear import Weight, cat_weights, dense, stack_weights
 from xllm_py.models.layers.mlp import MLP, swiglu
 from xllm_py.parallel.context import SINGLE, ParallelContext
+
+if TYPE_CHECKING:
+    from xllm_py.ops.backends import Kernels
 
 # Up to this many (token, expert) assignments, experts run pair by pair (see _routed_small).
 SMALL_BATCH_ASSIGNMENTS = 8
@@ -114,6 +119,9 @@ class MoE(nn.Module):
         self.w13: Weight | None = None  # [E_local, 2 * inter_local, hidden] after loading
         self.w2: Weight | None = None  # [E_local, hidden, inter_local]
         self.fp8 = False  # FP8-resident expert stacks
+        # The fused routed-expert kernel when --moe_backend chose one (ops/backends.py),
+        # else None: the torch forms below.
+        self.fused_moe = None
 
     def process_weights_after_loading(self) -> None:
         # Runs before the model visits children: the per-expert modules are gone by then.
@@ -135,8 +143,13 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         return self.parallel.all_reduce(out)
 
+    def use_kernels(self, kernels: Kernels) -> None:
+        self.fused_moe = kernels.fused_moe()
+
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         weights = weights.to(x.dtype)
+        if self.fused_moe is not None:  # every batch size, eager and compiled
+            return self.fused_moe(x, weights, ids, self.w13, self.w2, self.first_expert)
         if torch.compiler.is_compiling() and ids.numel() <= GRAPH_GATHER_ASSIGNMENTS:
             return self._routed_gathered(x, weights, ids)  # graph mode, few tokens
         if not torch.compiler.is_compiling() and ids.numel() <= SMALL_BATCH_ASSIGNMENTS:

@@ -6,14 +6,29 @@ The right-hand form is what runs: `vector_norm` gives sum(x^2) in one kernel
 and sqrt(d) is folded into the weight after loading, so a norm costs five
 small kernels instead of seven (at decode sizes the count, not the
 arithmetic, is the cost). Results agree to float32 rounding.
+
+`add_and_norm` is the residual add before a norm and the norm together: one
+Triton kernel (ops/rms_norm.py) when --attention_backend=triton, the add and
+the five kernels above otherwise.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from xllm_py.ops.rms_norm import (
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+    rms_norm_reference,
+    rms_norm_triton,
+)
+
+if TYPE_CHECKING:
+    from xllm_py.ops.backends import Kernels
 
 
 class RMSNorm(nn.Module):
@@ -23,12 +38,24 @@ class RMSNorm(nn.Module):
         self.sqrt_d = math.sqrt(dim)
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.scale: torch.Tensor | None = None  # weight * sqrt(d), float32
+        self.triton = False  # the Triton kernels (ops/backends.py; the worker installs them)
 
     def process_weights_after_loading(self) -> None:
         self.scale = self.weight.float() * self.sqrt_d
 
+    def use_kernels(self, kernels: Kernels) -> None:
+        # The Triton attention backend brings its norm (and rotary) kernels with it.
+        self.triton = kernels.attention == "triton"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x if x.dtype == torch.float32 else x.float()
-        inv = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().add_(self.eps_d).rsqrt_()
-        y = xf * inv * self.scale
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if self.triton:
+            return rms_norm_triton(x, self.scale, self.eps_d)
+        return rms_norm_reference(x, self.scale, self.eps_d)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), the sum in x.dtype."""
+        if self.triton:
+            return add_rms_norm_triton(x, residual, self.scale, self.eps_d)
+        return add_rms_norm_reference(x, residual, self.scale, self.eps_d)
