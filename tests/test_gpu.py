@@ -179,7 +179,8 @@ def test_fp8_resident_on_cuda_follows_the_dequantised_model(tmp_path):
     to bfloat16 at load: the first generated token's logprob within the bf16 tolerance
     plus activation quantisation's (0.25)."""
     from tools.make_random_checkpoint import make_random_checkpoint
-    from xllm_py.weights.fp8 import Fp8Weight, fp8_gemm_available
+    from xllm_py.ops.fp8_gemm import fp8_gemm_available
+    from xllm_py.weights.fp8 import Fp8Weight
 
     path = make_random_checkpoint(
         tmp_path / "fp8", dict(hidden_size=256, moe_intermediate_size=128), fp8_block=(128, 128)

@@ -46,11 +46,16 @@ differ.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from xllm_py.ops.launch import check_launch, interpreted
-from xllm_py.weights.fp8 import FP8, Fp8Weight
+from xllm_py.weights.fp8 import FP8, Fp8Weight, block_index, quantize
+
+logger = logging.getLogger(__name__)
 
 try:
     import triton
@@ -225,3 +230,81 @@ def fp8_gemm_triton(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
         num_warps=4, num_stages=3,
     )  # fmt: skip
     return y.to(x.dtype).view(*x.shape[:-1], N)
+
+
+# ---- the seam the dense linears call (models/layers/linear.py) ----------------------------
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """x [..., in] @ W^T for an FP8-resident W [out, in]: the device's block-scaled FP8 GEMM
+    where `fp8_gemm_available` found one (x quantised per token and group of B1 columns,
+    as DeepSeek-V3's recipe does), else the reference: W dequantised for this call."""
+    gemm = _GEMM.get(str(x.device))
+    # torch._scaled_mm needs whole blocks both ways; the Triton kernel maps each row to
+    # its scale block, so only the columns must be whole blocks.
+    if gemm is not None and (w.aligned or (gemm is not _scaled_gemm and w.cols_aligned)):
+        return gemm(x, w)
+    return torch.nn.functional.linear(x, w.dequant(x.dtype))
+
+
+# Per device: the block-scaled FP8 GEMM in use there, None for none (probed once).
+_GEMM: dict[str, Callable[[torch.Tensor, Fp8Weight], torch.Tensor] | None] = {}
+
+
+def fp8_gemm_available(device: torch.device) -> bool:
+    """Whether `device` runs a block-scaled FP8 GEMM (probed once per device against the
+    reference; logged): torch._scaled_mm's where it takes block scales, else the Triton
+    kernel above where Triton runs. CPU: no (the reference is for tests there)."""
+    key = str(device)
+    if key not in _GEMM:
+        _GEMM[key] = _probe(device) if device.type == "cuda" else None
+    return _GEMM[key] is not None
+
+
+def _candidates() -> list[tuple[str, Callable]]:
+    found = [("torch._scaled_mm", _scaled_gemm)]
+    return found + ([("the Triton block-FP8 GEMM", fp8_gemm_triton)] if triton else [])
+
+
+def _probe(device: torch.device) -> Callable | None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 512, generator=g) / 16
+    q, s = quantize(w, (128, 128))
+    weight = Fp8Weight(q, s, block_index(256, 128), block_index(512, 128), (128, 128)).to(device)
+    x = torch.randn(16, 512, generator=g).to(device, torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), weight.dequant(torch.float32))
+    for name, gemm in _candidates():
+        try:
+            got = gemm(x, weight).float()
+        except (RuntimeError, TypeError, ValueError) as e:
+            logger.info("FP8: %s does not run on %s (%s)", name, device, e)
+            continue
+        err = ((got - want).norm() / want.norm()).item()
+        ok = err < 0.05  # activation quantisation to e4m3 costs about 2-3% relative error
+        logger.info("FP8: %s on %s %s (relative error %.3g)",
+                    name, device, "in use" if ok else "REJECTED", err)  # fmt: skip
+        if ok:
+            return gemm
+    logger.info("FP8: no block-scaled FP8 GEMM on %s; weights are dequantised", device)
+    return None
+
+
+def _scaled_gemm(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """torch._scaled_mm with 1 x B1 activation scales and B0 x B1 weight scales."""
+    b1 = w.block[1]
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    k = x2.shape[1]
+    pad = -k % b1
+    xp = torch.nn.functional.pad(x2.float(), (0, pad)).view(x2.shape[0], -1, b1)
+    amax = xp.abs().amax(dim=-1).clamp(min=1e-12)  # [M, K / B1]
+    sx = amax / torch.finfo(FP8).max
+    xq = (xp / sx.unsqueeze(-1)).view(x2.shape[0], -1)[:, :k].to(FP8)
+    y = torch._scaled_mm(
+        xq,
+        w.data.t(),
+        scale_a=sx.t().contiguous().t(),  # outer-dim-major, as the kernel wants
+        scale_b=w.scale.t(),
+        out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16,
+    )
+    return y.to(x.dtype).view(*shape[:-1], w.data.shape[0])

@@ -16,7 +16,7 @@ Two ways to hold such a weight (--weight_dtype):
                        block it belongs to (`rows`, `cols`). A rank's slice, or a fused
                        matrix whose parts do not end on a block edge, keeps the scales of
                        the blocks it covers and its own index maps, so no alignment is
-                       needed. Multiplying goes through `fp8_matmul` (ops below).
+                       needed. Multiplying goes through `ops.fp8_gemm.fp8_linear`.
 """
 
 from __future__ import annotations
@@ -221,70 +221,3 @@ class Fp8Weight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"shape={tuple(self.data.shape)}, block={self.block}, aligned={self.aligned}"
-
-
-def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """x [..., in] @ W^T for an FP8-resident W [out, in]: the device's block-scaled FP8 GEMM
-    where `fp8_gemm_available` found one (x quantised per token and group of B1 columns,
-    as DeepSeek-V3's recipe does), else the reference: W dequantised for this call."""
-    if w.aligned and _fast_gemm(x.device):
-        return _scaled_gemm(x, w)
-    return torch.nn.functional.linear(x, w.dequant(x.dtype))
-
-
-_FAST: dict[str, bool] = {}
-
-
-def _fast_gemm(device: torch.device) -> bool:
-    return _FAST.get(str(device), False)
-
-
-def fp8_gemm_available(device: torch.device) -> bool:
-    """Whether `device` runs the block-scaled FP8 GEMM (probed once per device against the
-    reference; logged). CPU: no (the reference path is for tests there)."""
-    key = str(device)
-    if key not in _FAST:
-        _FAST[key] = False
-        if device.type == "cuda":
-            _FAST[key] = _probe(device)
-    return _FAST[key]
-
-
-def _probe(device: torch.device) -> bool:
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(256, 512, generator=g) / 16
-    q, s = quantize(w, (128, 128))
-    weight = Fp8Weight(q, s, block_index(256, 128), block_index(512, 128), (128, 128)).to(device)
-    x = torch.randn(16, 512, generator=g).to(device, torch.bfloat16)
-    try:
-        got = _scaled_gemm(x, weight).float()
-    except (RuntimeError, TypeError, ValueError) as e:
-        logger.info("FP8: no block-scaled FP8 GEMM on %s (%s); weights are dequantised", device, e)
-        return False
-    want = torch.nn.functional.linear(x.float(), weight.dequant(torch.float32))
-    err = ((got - want).norm() / want.norm()).item()
-    ok = err < 0.05  # activation quantisation to e4m3 costs about 2-3% relative error
-    logger.info("FP8: block-scaled GEMM on %s %s (relative error %.3g)",
-                device, "in use" if ok else "REJECTED", err)  # fmt: skip
-    return ok
-
-
-def _scaled_gemm(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """torch._scaled_mm with 1 x B1 activation scales and B0 x B1 weight scales."""
-    b1 = w.block[1]
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    k = x2.shape[1]
-    pad = -k % b1
-    xp = torch.nn.functional.pad(x2.float(), (0, pad)).view(x2.shape[0], -1, b1)
-    amax = xp.abs().amax(dim=-1).clamp(min=1e-12)  # [M, K / B1]
-    sx = amax / torch.finfo(FP8).max
-    xq = (xp / sx.unsqueeze(-1)).view(x2.shape[0], -1)[:, :k].to(FP8)
-    y = torch._scaled_mm(
-        xq,
-        w.data.t(),
-        scale_a=sx.t().contiguous().t(),  # outer-dim-major, as the kernel wants
-        scale_b=w.scale.t(),
-        out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16,
-    )
-    return y.to(x.dtype).view(*shape[:-1], w.data.shape[0])

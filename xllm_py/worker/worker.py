@@ -26,10 +26,11 @@ from xllm_py.models.deepseek_mtp import (
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
 from xllm_py.ops.backends import install as install_kernels
 from xllm_py.ops.backends import select_kernels
+from xllm_py.ops.fp8_gemm import fp8_gemm_available
 from xllm_py.parallel.context import SINGLE, ParallelContext
 from xllm_py.speculative.hot_vocab import TOKEN_MAP_FILE, HotVocabHead, load_token_map
 from xllm_py.speculative.mtp_proposer import MTPProposer
-from xllm_py.weights.fp8 import Fp8Config, fp8_gemm_available, fp8_resident
+from xllm_py.weights.fp8 import Fp8Config, fp8_resident
 from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
 from xllm_py.worker.graph_runner import GraphRunner
 from xllm_py.worker.model_runner import ModelRunner

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xllm_py.ops.fp8_gemm import fp8_linear
 from xllm_py.parallel.context import SINGLE, ParallelContext
-from xllm_py.weights.fp8 import FP8, Fp8Weight, block_index, fp8_linear, resident_block
+from xllm_py.weights.fp8 import FP8, Fp8Weight, block_index, resident_block
 
 
 @dataclass(frozen=True)
