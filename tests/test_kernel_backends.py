@@ -68,3 +68,25 @@ def test_triton_backends_on_cuda_give_the_torch_backends_tokens(ckpt, k):
     assert t_tokens == tokens
     worst = max(abs(a - b) for x, y in zip(logprobs, t_logprobs) for a, b in zip(x, y))
     assert worst <= 1e-3  # GPU kernels sum in different orders from one another
+
+
+def test_kernel_benchmark_shows_block_wise_attention_holds_a_chunk_not_the_context(tmp_path):
+    """perf/kernels.py on CPU: a row per op and backend, and the memory figure the issue
+    asked for: at batch 8 x 1,024-token contexts the gather form holds every context at
+    once, the block-wise form (4,096 rows a chunk) half of them."""
+    from perf import kernels
+
+    out = tmp_path / "k.json"
+    argv = ["--device", "cpu", "--batch", "8", "--context", "1024", "--iters", "1", "--memory"]
+    result = kernels.main(argv + ["--out", str(out)])
+    rows = {(r["op"], r["backend"]): r for r in result["rows"]}
+    assert set(rows) == {
+        ("paged_mla", "gather"),
+        ("paged_mla", "torch"),
+        ("fused_moe", "torch"),
+        ("fp8_gemm", "torch"),
+    }
+    context_mib = 8 * 1024 * (512 + 64) * 4 / 2**20  # 18 MiB of float32 latents
+    assert rows["paged_mla", "gather"]["peak_extra_mib"] >= context_mib
+    assert rows["paged_mla", "torch"]["peak_extra_mib"] <= 0.75 * context_mib
+    assert out.is_file() and all(r["ms"] > 0 for r in result["rows"])

@@ -184,6 +184,7 @@ def _paged_mla_blockwise(
             denom = denom * rescale + p.sum(-1, keepdim=True)
             out = torch.baddbmm(out * rescale, p, v)
             m = m_new
+            del s, v, p  # this chunk's keys go before the next chunk's are gathered
         out = out / denom  # denom >= 1 where a row saw a key: its max adds exp(0)
     out = out.view(B, Q, H, kv_lora_rank)
     if Q > 1:
