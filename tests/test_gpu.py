@@ -45,6 +45,9 @@ HF_CONFIG = "noq_yarn_mscale_grouped"  # no q-LoRA, YaRN, grouped routing
 # first generated token (before any divergence compounds) is compared, to 0.1 in logprob.
 BF16_FIRST_LOGPROB_ATOL = 0.1
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "launch_cluster.sh"
+# A fixed 1 GiB KV cache for the engines these tests make one after another in this process
+# (the default would size each cache to 0.9 of the device); the sizing test sets its own.
+CACHE = dict(max_cache_size=2**30)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def hf_case(tmp_path_factory):
 
 
 def engine_greedy(path, prompts, dtype):
-    llm = LLM(model=str(path), device=DEVICE, dtype=dtype, block_size=16)
+    llm = LLM(model=str(path), device=DEVICE, dtype=dtype, block_size=16, **CACHE)
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     return [(o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)]) for o in outs]
@@ -95,7 +98,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def plain_on_cuda(sharegpt_prompts):
-    llm = LLM(device=DEVICE, dtype="float32", block_size=16, max_seqs_per_batch=64)
+    llm = LLM(device=DEVICE, dtype="float32", block_size=16, max_seqs_per_batch=64, **CACHE)
     return [o.outputs[0].token_ids for o in llm.generate(sharegpt_prompts, GREEDY)]
 
 
@@ -108,6 +111,7 @@ def test_mtp_on_cuda_is_lossless(sharegpt_prompts, plain_on_cuda, batch, k):
         block_size=16,
         max_seqs_per_batch=batch,
         num_speculative_tokens=k,
+        **CACHE,
     )
     tokens = [o.outputs[0].token_ids for o in llm.generate(sharegpt_prompts, GREEDY)]
     differ = [i for i, (a, b) in enumerate(zip(tokens, plain_on_cuda)) if a != b]
@@ -116,7 +120,7 @@ def test_mtp_on_cuda_is_lossless(sharegpt_prompts, plain_on_cuda, batch, k):
 
 
 def test_rest_daemon_with_mtp_on_cuda(sharegpt_prompts):
-    offline = LLM(device=DEVICE, dtype="float32", num_speculative_tokens=1)
+    offline = LLM(device=DEVICE, dtype="float32", num_speculative_tokens=1, **CACHE)
     want = [o.outputs[0].text for o in offline.generate(sharegpt_prompts[:4], GREEDY)]
     del offline
     server = Server(
@@ -189,7 +193,7 @@ def test_fp8_resident_on_cuda_follows_the_dequantised_model(tmp_path):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
     firsts = {}
     for wd in ("bf16", "fp8"):
-        llm = LLM(model=str(path), device=DEVICE, dtype="bfloat16", weight_dtype=wd)
+        llm = LLM(model=str(path), device=DEVICE, dtype="bfloat16", weight_dtype=wd, **CACHE)
         outs = [o.outputs[0] for o in llm.generate(prompts, params)]
         firsts[wd] = [o.logprobs[0][o.token_ids[0]] for o in outs]
         if wd == "fp8":

@@ -91,7 +91,7 @@ def test_graph_mode_flags_are_checked():
 def test_graph_mode_on_cuda_gives_eager_tokens(prompts, k):
     """The same graphs (Inductor) on a CUDA device: eager's tokens, logprobs within 1e-4
     (GPU kernels round differently from one another)."""
-    opts = dict(OPTIONS, device="cuda:0", num_speculative_tokens=k)
+    opts = dict(OPTIONS, device="cuda:0", num_speculative_tokens=k, max_cache_size=2**30)
     eager_tokens, eager_logprobs = decode(LLM(**opts), prompts)
     tokens, logprobs = decode(LLM(enable_graph=True, graph_batch_sizes=[4], **opts), prompts)
     assert tokens == eager_tokens

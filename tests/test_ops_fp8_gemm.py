@@ -171,3 +171,33 @@ def test_fp8_gemm_on_cuda_at_deepseek_v3_shapes(M, shape):
 @functools.cache
 def cuda_weight(n: int, k: int) -> Fp8Weight:
     return fp8_weight(n, k, torch.Generator().manual_seed(n + k)).to("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("M", [1, 64])
+def test_fp8_linear_on_cuda_takes_the_fused_q_a_kv_a_weight(M):
+    """The seam the engine calls, at the one DeepSeek-V3 shape cuBLAS's block-scaled GEMM
+    refused on an H200 (N = 1536 + 576, not a multiple of 128): it must still multiply."""
+    g = torch.Generator().manual_seed(M)
+    parts = [fp8_weight(1536, 2048, g), fp8_weight(576, 2048, g)]
+    w = Fp8Weight.cat(parts).to("cuda")
+    assert fp8_gemm.fp8_gemm_available(torch.device("cuda"))
+    x = torch.randn(M, 2048, generator=g).to("cuda", torch.bfloat16)
+    got = fp8_gemm.fp8_linear(x, w).float()
+    want = torch.nn.functional.linear(x.float(), w.dequant(torch.float32))
+    assert ((got - want).norm() / want.norm()).item() < CONTRACT_REL
+
+
+def test_only_whole_block_shapes_go_to_cublas():
+    """torch._scaled_mm is given a weight only when N and K are whole blocks; the Triton
+    kernel takes any N (each row finds its scale block) with whole column blocks."""
+    g = torch.Generator().manual_seed(0)
+    whole = fp8_weight(256, 512, g)
+    fused = Fp8Weight.cat([fp8_weight(1536, 256, g), fp8_weight(576, 256, g)])
+    ragged_k = fp8_weight(256, 320, g)
+    takes = fp8_gemm._takes
+    assert takes(fp8_gemm._scaled_gemm, whole) and takes(fp8_gemm_triton, whole)
+    assert fused.aligned and not takes(fp8_gemm._scaled_gemm, fused)
+    assert takes(fp8_gemm_triton, fused)
+    assert not takes(fp8_gemm._scaled_gemm, ragged_k)

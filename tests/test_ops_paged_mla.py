@@ -202,9 +202,13 @@ def test_triton_missing_is_a_clear_error(monkeypatch):
         paged_mla_triton(**make_inputs(CASES["ctx1"]))
 
 
-def test_torch_op_is_one_node_under_fullgraph_compile():
-    """The engine's CPU graph mode compiles with the table width W dynamic: the op must trace
-    as one opaque node, with one graph serving every W."""
+@pytest.mark.parametrize("name", ["paged_mla", "paged_mla_triton"])
+def test_each_backend_is_one_node_under_fullgraph_compile(name):
+    """Graph mode compiles with the table width W dynamic: each backend must trace as one
+    opaque node, with one graph serving every W. The Triton one too: traced into, Inductor
+    passes its scale as fp64 and autotunes it on a copy of the KV cache (both seen on an
+    H200)."""
+    fn = paged_mla_torch if name == "paged_mla" else paged_mla_triton
     graphs = []
 
     def backend(gm, example_inputs):
@@ -213,7 +217,7 @@ def test_torch_op_is_one_node_under_fullgraph_compile():
 
     @torch.compile(fullgraph=True, backend=backend)
     def attend(q, cache, table, ctx_lens, q_lens):
-        return paged_mla_torch(q, cache, table, ctx_lens, q_lens, 0.3, KV_LORA) * 2
+        return fn(q, cache, table, ctx_lens, q_lens, 0.3, KV_LORA) * 2
 
     torch.compiler.reset()
     for pad in (1, 4):
@@ -224,7 +228,7 @@ def test_torch_op_is_one_node_under_fullgraph_compile():
     torch.compiler.reset()
     assert len(graphs) == 1
     ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
-    assert torch.ops.xllm.paged_mla.default in ops
+    assert getattr(torch.ops.xllm, name).default in ops
 
 
 @pytest.mark.gpu

@@ -236,43 +236,59 @@ def fp8_gemm_triton(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """x [..., in] @ W^T for an FP8-resident W [out, in]: the device's block-scaled FP8 GEMM
-    where `fp8_gemm_available` found one (x quantised per token and group of B1 columns,
-    as DeepSeek-V3's recipe does), else the reference: W dequantised for this call."""
-    gemm = _GEMM.get(str(x.device))
-    # torch._scaled_mm needs whole blocks both ways; the Triton kernel maps each row to
-    # its scale block, so only the columns must be whole blocks.
-    if gemm is not None and (w.aligned or (gemm is not _scaled_gemm and w.cols_aligned)):
-        return gemm(x, w)
+    """x [..., in] @ W^T for an FP8-resident W [out, in]: the first block-scaled FP8 GEMM
+    that `fp8_gemm_available` found on x's device and that takes W's shape (x quantised per
+    token and group of B1 columns, as DeepSeek-V3's recipe does), else the reference: W
+    dequantised for this call."""
+    for gemm in _GEMM.get(str(x.device)) or ():
+        if _takes(gemm, w):
+            return gemm(x, w)
     return torch.nn.functional.linear(x, w.dequant(x.dtype))
 
 
-# Per device: the block-scaled FP8 GEMM in use there, None for none (probed once).
-_GEMM: dict[str, Callable[[torch.Tensor, Fp8Weight], torch.Tensor] | None] = {}
+def _takes(gemm: Callable, w: Fp8Weight) -> bool:
+    """Whether `gemm` multiplies by W's shape. cuBLAS's block-scaled GEMM (torch._scaled_mm)
+    wants whole blocks both ways, and refuses (CUBLAS_STATUS_NOT_SUPPORTED, seen on an H200)
+    an N that is not a multiple of the block, such as DeepSeek-V3's fused q_a|kv_a of
+    1536 + 576 rows. The Triton kernel maps each row to its scale block, so only the
+    columns must be whole blocks."""
+    if gemm is _scaled_gemm:
+        n, k = w.data.shape[-2:]
+        return w.aligned and n % w.block[0] == 0 and k % w.block[1] == 0
+    return w.cols_aligned
+
+
+# Per device: the block-scaled FP8 GEMMs that passed the probe there, best first (probed
+# once; empty: none).
+_GEMM: dict[str, list[Callable[[torch.Tensor, Fp8Weight], torch.Tensor]]] = {}
 
 
 def fp8_gemm_available(device: torch.device) -> bool:
     """Whether `device` runs a block-scaled FP8 GEMM (probed once per device against the
-    reference; logged): torch._scaled_mm's where it takes block scales, else the Triton
-    kernel above where Triton runs. CPU: no (the reference is for tests there)."""
+    reference; logged): the Triton kernel above where Triton runs, and torch._scaled_mm's
+    where it takes block scales. CPU: no (the reference is for tests there)."""
     key = str(device)
     if key not in _GEMM:
-        _GEMM[key] = _probe(device) if device.type == "cuda" else None
-    return _GEMM[key] is not None
+        _GEMM[key] = _probe(device) if device.type == "cuda" else []
+    return bool(_GEMM[key])
 
 
 def _candidates() -> list[tuple[str, Callable]]:
-    found = [("torch._scaled_mm", _scaled_gemm)]
-    return found + ([("the Triton block-FP8 GEMM", fp8_gemm_triton)] if triton else [])
+    """Best first. The Triton kernel leads: on an H200 (torch 2.11, CUDA 13) cuBLAS's
+    block-scaled GEMM passed the probe, then refused DeepSeek-V3-shaped weights whose N and
+    K are whole blocks (CUBLAS_STATUS_NOT_SUPPORTED at the first decode step)."""
+    found = [("the Triton block-FP8 GEMM", fp8_gemm_triton)] if triton else []
+    return found + [("torch._scaled_mm", _scaled_gemm)]
 
 
-def _probe(device: torch.device) -> Callable | None:
+def _probe(device: torch.device) -> list[Callable]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 512, generator=g) / 16
     q, s = quantize(w, (128, 128))
     weight = Fp8Weight(q, s, block_index(256, 128), block_index(512, 128), (128, 128)).to(device)
     x = torch.randn(16, 512, generator=g).to(device, torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), weight.dequant(torch.float32))
+    passed = []
     for name, gemm in _candidates():
         try:
             got = gemm(x, weight).float()
@@ -284,9 +300,10 @@ def _probe(device: torch.device) -> Callable | None:
         logger.info("FP8: %s on %s %s (relative error %.3g)",
                     name, device, "in use" if ok else "REJECTED", err)  # fmt: skip
         if ok:
-            return gemm
-    logger.info("FP8: no block-scaled FP8 GEMM on %s; weights are dequantised", device)
-    return None
+            passed.append(gemm)
+    if not passed:
+        logger.info("FP8: no block-scaled FP8 GEMM on %s; weights are dequantised", device)
+    return passed
 
 
 def _scaled_gemm(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:

@@ -226,6 +226,7 @@ if triton is not None:
         BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
         HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
+        scale_log2 = tl.cast(scale_log2, tl.float32)  # an fp64 scale would make scores fp64
         b = tl.program_id(0)
         head0 = tl.program_id(1) * HG
         split = tl.program_id(2)
@@ -272,8 +273,7 @@ if triton is not None:
                 allowed = (pos < prefix)[None, :] | (win != 0)
             else:
                 allowed = pos[None, :] < limit[:, None]
-            # `allowed` is False at and past ctx_len, and splits are whole tiles, so no tile
-            # reaches into the next split: key_ok need not be applied again.
+            # False at and past ctx_len; splits are whole tiles: key_ok need not apply again.
             s = tl.where(allowed, s * scale_log2, float("-inf"))
             # A row with no visible key so far keeps m = -inf; subtracting 0 instead keeps
             # exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
@@ -343,7 +343,27 @@ def paged_mla_triton(
     window_mask: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """The contract above as Triton kernels reading `cache` in place (no gather)."""
+    """The contract above as Triton kernels reading `cache` in place (no gather). Under
+    torch.compile it is the custom op `xllm::paged_mla_triton`, one opaque node: Inductor
+    neither re-types the launch (it would pass the scale as fp64) nor autotunes it, which
+    allocates a copy of every tensor argument, the whole KV cache included (an out-of-memory
+    error on an H200 with the cache at 0.9 of the device)."""
+    fn = _paged_mla_triton_op if torch.compiler.is_compiling() else _paged_mla_triton
+    args = (q, cache, block_table, ctx_lens, q_lens, scale, kv_lora_rank, window_mask)
+    return fn(*args, num_splits=num_splits)
+
+
+def _paged_mla_triton(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    window_mask: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
     check_launch(_split_kernel if triton else None, q.device, "paged_mla_triton")
     B, Q, H, D = q.shape
     R, P = kv_lora_rank, D - kv_lora_rank
@@ -390,3 +410,15 @@ def paged_mla_triton(
             BLOCK_R=triton.next_power_of_2(R),
         )  # fmt: skip
     return out
+
+
+_paged_mla_triton_op = torch.library.custom_op(
+    "xllm::paged_mla_triton", _paged_mla_triton, mutates_args=()
+)
+
+
+@_paged_mla_triton_op.register_fake
+def _(q, cache, block_table, ctx_lens, q_lens, scale, kv_lora_rank, window_mask=None,
+      num_splits=None):  # fmt: skip
+    B, Q, H, _ = q.shape
+    return q.new_empty(B, Q, H, kv_lora_rank)

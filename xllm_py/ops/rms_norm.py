@@ -94,7 +94,8 @@ if triton is not None:
             h = (h + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
             tl.store(res_out_ptr + rows[:, None] * stride_out + cols[None, :], h, mask=mask)
             h = h.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(h * h, axis=1) + eps_d)  # [BLOCK_T]; masked columns add 0
+        # eps in fp32 also where Inductor passes the float as fp64 (the sum stays fp32)
+        inv = tl.rsqrt(tl.sum(h * h, axis=1) + tl.cast(eps_d, tl.float32))  # masked columns add 0
         scale = tl.load(scale_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
         y = h * inv[:, None] * scale[None, :]
         out = out_ptr + rows[:, None] * stride_out + cols[None, :]

@@ -5,6 +5,7 @@ service (cluster/worker_node.py) calls the same methods."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -161,6 +162,10 @@ def kv_cache_budget(device: torch.device, utilization: float, activations: int =
     CPU, `utilization` of the RAM still available (it is shared with the host)."""
     if device.type == "cpu":
         return int(available_memory(device) * utilization)
+    # What an earlier engine of this process freed still sits in torch's caching allocator,
+    # which the device counts as in use: a second LLM in one process would find no room.
+    gc.collect()
+    accelerator(device).empty_cache()
     free, total = device_memory(device)
     return memory_split(total, total - free + activations, utilization)
 
