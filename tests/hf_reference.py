@@ -140,19 +140,151 @@ TINY_CONFIGS: dict[str, dict] = {
         max_position_embeddings=512,
         rope_parameters=dict(_YARN, factor=2.0, original_max_position_embeddings=128),
     ),
+    # The other DeepSeek-V3-family checkpoints people serve, by what differs from V3 (each
+    # family's public config.json, shrunk). "_hf": HF class family ("v2": DeepseekV2, which
+    # routes by softmax); "_model_type": written over config.json's after saving.
+    # DeepSeek-V2-Lite: no q-LoRA, softmax + plain top-k, no bias, unnormalised weights, 2 shared
+    # experts, YaRN with mscale = mscale_all_dim = 0.707.
+    "v2lite_softmax_greedy": dict(
+        _COMMON,
+        _hf="v2",
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=160,
+        moe_intermediate_size=24,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=3,
+        n_group=1,
+        topk_group=1,
+        topk_method="greedy",
+        scoring_func="softmax",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        first_k_dense_replace=1,
+        max_position_embeddings=256,
+        rope_parameters=dict(
+            _YARN,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+        ),
+    ),
+    # DeepSeek-V2 (236B): q-LoRA, softmax, group-limited greedy (groups by their best expert),
+    # routed scaling 16, unnormalised weights.
+    "v2_group_limited": dict(
+        _COMMON,
+        _hf="v2",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        topk_method="group_limited_greedy",
+        scoring_func="softmax",
+        norm_topk_prob=False,
+        routed_scaling_factor=16.0,
+        first_k_dense_replace=1,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    # Moonlight-16B-A3B: V3 architecture, no q-LoRA, one group, 2 shared experts, no rope
+    # scaling at all, theta 50000, routed scaling 2.446, eps 1e-5.
+    "moonlight_like": dict(
+        _COMMON,
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.446,
+        rms_norm_eps=1e-5,
+        first_k_dense_replace=1,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+    ),
+    # Kimi-K2: model_type kimi_k2 on the V3 architecture, q-LoRA, one group, one dense layer,
+    # routed scaling 2.827, theta 50000, YaRN factor 32 with beta_fast = beta_slow = 1.
+    "kimi_like": dict(
+        _COMMON,
+        _model_type="kimi_k2",
+        vocab_size=448,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=12,
+        num_experts_per_tok=4,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.827,
+        first_k_dense_replace=1,
+        max_position_embeddings=2048,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=50000.0,
+            factor=32.0,
+            beta_fast=1,
+            beta_slow=1,
+            original_max_position_embeddings=64,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    ),
 }
 
 # lm_head std = gain / sqrt(hidden) -> logits ~ N(0, gain^2): peaky next-token distributions.
 LM_HEAD_GAIN = 6.0
 
-# Weight seed per config, picked out of 0..11 so that on the reference prompts every greedy
-# top1-top2 logit gap (>= 2e-2) and every router group/expert top-k margin (>= 2.9e-4) is far
-# above float32 noise (HF fp32 vs fp64 logprobs differ by < 1e-5).
+# Weight seed per config, picked out of 0..15 so that on the reference prompts every greedy
+# top1-top2 logit gap (>= 2e-2 for the V3 configs, >= 2e-3 for the others) and every router
+# group/expert top-k margin (>= 2.9e-4 for V3's sigmoid, >= 1.2e-4 for the softmax routers,
+# whose probabilities over all experts sit closer together) is far above float32 noise (HF
+# fp32 vs fp64 logprobs differ by < 1e-5).
 CHECKPOINT_SEEDS: dict[str, int] = {
     "qlora_rope_dense2": 6,
     "noq_yarn_mscale_grouped": 11,
     "qlora_yarn_allmoe": 0,
     "noq_yarn_plain_4layer": 9,
+    "v2lite_softmax_greedy": 10,
+    "v2_group_limited": 13,
+    "moonlight_like": 1,
+    "kimi_like": 0,
 }
 
 # Reference workload: prompt lengths straddle the 16-token block size (1, 16, 17) and exceed
@@ -176,12 +308,16 @@ def make_hf_checkpoint(
 
     Same (name, seed) -> identical weights whatever max_shard_size ("20KB": index.json + shards).
     """
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    import transformers
 
     _quiet_transformers()
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY_CONFIGS[name])).float().eval()
+    kwargs = dict(TINY_CONFIGS[name])
+    family, model_type = kwargs.pop("_hf", "v3"), kwargs.pop("_model_type", None)
+    prefix = {"v2": "DeepseekV2", "v3": "DeepseekV3"}[family]
+    config = getattr(transformers, f"{prefix}Config")(**kwargs)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config).float().eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -199,6 +335,11 @@ def make_hf_checkpoint(
                 )
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    if model_type:
+        cfg_file = out_dir / "config.json"
+        cfg_file.write_text(
+            json.dumps(json.loads(cfg_file.read_text()) | {"model_type": model_type})
+        )
     return out_dir
 
 
@@ -212,13 +353,20 @@ def reference_prompts(name: str) -> list[list[int]]:
 
 
 def _router_margin_hook(margins: list[float]):
-    """Hook for DeepseekV3TopkRouter: how far each group/expert top-k choice is from a tie."""
+    """Hook for HF's V2/V3 routers: how far each group/expert top-k choice is from a tie."""
 
     def hook(router, args, _out):
         x = args[0].reshape(-1, router.hidden_dim).float()
-        s = torch.sigmoid(x @ router.weight.float().T) + router.e_score_correction_bias
-        n, g, k, tg = s.shape[0], router.num_group, router.top_k, router.topk_group
-        grp = s.view(n, g, -1).topk(2, dim=-1).values.sum(-1)
+        logits = x @ router.weight.float().T
+        n, g, k, tg = logits.shape[0], router.num_group or 1, router.top_k, router.topk_group or 1
+        if hasattr(router, "e_score_correction_bias"):  # V3: sigmoid, biased, top-2 sum per group
+            s = torch.sigmoid(logits) + router.e_score_correction_bias
+            grp = s.view(n, g, -1).topk(2, dim=-1).values.sum(-1)
+        else:  # V2: softmax; group_limited_greedy ranks groups by their best expert
+            s = logits.softmax(dim=-1)
+            if router.topk_method == "greedy":
+                g = tg = 1
+            grp = s.view(n, g, -1).amax(dim=-1)
         if tg < g:
             gs = grp.sort(dim=-1, descending=True).values
             margins.append((gs[:, tg - 1] - gs[:, tg]).min().item())
@@ -242,13 +390,30 @@ def hf_greedy_detailed(
     """Greedy-decode each prompt with HF. Returns {"results": as hf_greedy, "top1_top2_gaps": per
     prompt, the logit gap at every generated position, "min_router_margin": the smallest
     group/expert top-k margin over all prefill and decode tokens}."""
-    from transformers import DeepseekV3ForCausalLM, GenerationConfig
+    import transformers
+    from transformers import GenerationConfig
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
     _quiet_transformers()
-    model = DeepseekV3ForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
-    ).eval()
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = raw["architectures"][0]
+    # HF maps per-expert tensor names onto its stacked experts by model_type: under Kimi's
+    # `kimi_k2` it would leave the experts at their random init, so it reads the config
+    # under its own architecture's model_type (the weights and config are unchanged).
+    raw.pop("model_type", None)
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict(raw)
+    model = (
+        getattr(transformers, arch)
+        .from_pretrained(
+            model_dir,
+            config=config,
+            dtype=dtype,
+            attn_implementation="eager",
+            experts_implementation="eager",
+        )
+        .eval()
+    )
     gcfg = GenerationConfig(
         do_sample=False,
         max_new_tokens=max_new_tokens,
@@ -262,7 +427,7 @@ def hf_greedy_detailed(
     handles = [
         m.register_forward_hook(_router_margin_hook(margins))
         for m in model.modules()
-        if isinstance(m, DeepseekV3TopkRouter)
+        if isinstance(m, (DeepseekV2TopkRouter, DeepseekV3TopkRouter))
     ]
     results, gaps = [], []
     try:

@@ -238,9 +238,20 @@ def test_more_experts_per_token_than_experts_is_rejected():
         ModelConfig.from_dict(v3(num_experts_per_tok=257))
 
 
-def test_unsupported_scoring_is_rejected():
-    with pytest.raises(ValueError, match="scoring_func"):
-        ModelConfig.from_dict(v3(scoring_func="softmax"))
+def test_unsupported_routing_is_rejected_naming_the_value():
+    with pytest.raises(ValueError, match="scoring_func='sqrtsoftplus'"):
+        ModelConfig.from_dict(v3(scoring_func="sqrtsoftplus"))
+    with pytest.raises(ValueError, match="topk_method='random'"):
+        ModelConfig.from_dict(v3(topk_method="random"))
+
+
+def test_a_v2_config_routes_by_softmax_and_plain_top_k_unless_it_says_otherwise():
+    v2 = v3(architectures=["DeepseekV2ForCausalLM"])
+    del v2["scoring_func"], v2["topk_method"]
+    cfg = ModelConfig.from_dict(v2)
+    assert (cfg.scoring_func, cfg.topk_method) == ("softmax", "greedy")
+    cfg = ModelConfig.from_dict(dict(v2, topk_method="group_limited_greedy"))
+    assert cfg.topk_method == "group_limited_greedy"
 
 
 # ---- engine-side configs ----------------------------------------------------------------------

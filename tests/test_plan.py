@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tools.make_header_checkpoint import make_header_checkpoint
+from tools.make_header_checkpoint import family_config, make_header_checkpoint
 from xllm_py.assets import bundled_model
 from xllm_py.plan import GIB, main, make_plan
 from xllm_py.weights.loader import tensor_files
@@ -74,6 +74,30 @@ def test_totals_match_deepseeks_published_counts(plan16):
     # DeepSeek's "14B MTP" is 685B - 671B. Counted, the MTP layer with its copies of the
     # embedding and head holds 13.46B: within 4% of 14B, not 2% (docs/memory_plan.md).
     assert close(t["mtp"], 14e9, 0.04) and abs(t["mtp"] / 1e9 - 13.46) < 0.01
+
+
+# Published totals and activated parameters (model cards): V2-Lite "15.7B / 2.4B",
+# V2 "236B / 21B", Moonlight "16B / 3B" (its card: 3B activated, embedding counted),
+# Kimi-K2 "1T / 32B".
+FAMILY_TOTALS = {
+    "deepseek-v2-lite": (15.7e9, 2.4e9),
+    "deepseek-v2": (236e9, 21e9),
+    "moonlight-16b-a3b": (16e9, None),
+    "kimi-k2": (1.03e12, 32e9),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TOTALS))
+def test_other_family_replicas_match_their_published_counts(family, tmp_path):
+    """A header replica of each family from its published config (BF16 where it ships
+    BF16, no q-LoRA where it has none, no routing bias outside noaux_tc) loads into the
+    engine's meta model, shape-checked, and its totals are the model card's."""
+    path = make_header_checkpoint(tmp_path, shards=4, config=family_config(family))
+    plan = make_plan(path, 8, tp=8, ep=8, device_memory_gb=141, num_speculative_tokens=0)
+    total, active = FAMILY_TOTALS[family]
+    assert abs(plan.totals["main"] / total - 1) < 0.02
+    if active:
+        assert abs(plan.totals["activated"] / active - 1) < 0.05
 
 
 def _split_ways(name: str, tp: int, ep: int) -> int:

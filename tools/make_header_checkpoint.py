@@ -7,6 +7,11 @@ the ~685 GB replica takes a few MB of disk.
 
     python tools/make_header_checkpoint.py --output-dir /tmp/deepseek-v3-headers
     python -m xllm_py.plan --model /tmp/deepseek-v3-headers --devices 16 --tp 16 --ep 16
+    python tools/make_header_checkpoint.py --family kimi-k2 --shards 64 --output-dir /tmp/k2
+
+--family replicates another DeepSeek-V3-family checkpoint from its published config:
+deepseek-v3.1 (ue8m0 scales), deepseek-v2, deepseek-v2-lite, moonlight-16b-a3b (bfloat16,
+no q-LoRA) or kimi-k2 (FP8, 384 experts, no MTP).
 
 What it is for: tools that read only the headers (`python -m xllm_py.plan`). Reading a
 tensor gives zeros. The layout is the one tools/make_random_checkpoint.py writes and the
@@ -95,8 +100,70 @@ DEEPSEEK_V3_CONFIG = {
 }
 
 
-def _fp8(name: str, out_dim: int, in_dim: int, block: tuple[int, int]):
-    """A float8 matrix and its float32 block scales, as (name, dtype, shape) rows."""
+# The other DeepSeek-V3-family checkpoints, as their published config.json files differ from
+# DeepSeek-V3's (architecture fields only); each is written with its own dtypes: FP8 blocks
+# where it has a quantization_config, bfloat16 matrices where not.
+_BF16_ONLY = {"quantization_config": None, "num_nextn_predict_layers": 0}
+FAMILIES: dict[str, dict] = {
+    "deepseek-v3": {},
+    "deepseek-v3.1": {
+        "quantization_config": dict(DEEPSEEK_V3_CONFIG["quantization_config"], scale_fmt="ue8m0")
+    },
+    "deepseek-v2": _BF16_ONLY | {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "hidden_size": 5120, "num_hidden_layers": 60, "intermediate_size": 12288,
+        "moe_intermediate_size": 1536, "n_routed_experts": 160, "n_shared_experts": 2,
+        "num_experts_per_tok": 6, "n_group": 8, "topk_group": 3, "first_k_dense_replace": 1,
+        "vocab_size": 102400, "routed_scaling_factor": 16.0, "norm_topk_prob": False,
+        "scoring_func": "softmax", "topk_method": "group_limited_greedy",
+        "rope_scaling": dict(DEEPSEEK_V3_CONFIG["rope_scaling"], mscale=0.707,
+                             mscale_all_dim=0.707),
+    },
+    "deepseek-v2-lite": _BF16_ONLY | {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "hidden_size": 2048, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "q_lora_rank": None, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2,
+        "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "vocab_size": 102400, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+        "scoring_func": "softmax", "topk_method": "greedy",
+        "rope_scaling": dict(DEEPSEEK_V3_CONFIG["rope_scaling"], mscale=0.707,
+                             mscale_all_dim=0.707),
+    },
+    "moonlight-16b-a3b": _BF16_ONLY | {
+        "hidden_size": 2048, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "q_lora_rank": None, "intermediate_size": 11264,
+        "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2,
+        "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "vocab_size": 163840, "routed_scaling_factor": 2.446, "rope_scaling": None,
+        "rope_theta": 50000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
+    },
+    "kimi-k2": {
+        "model_type": "kimi_k2", "num_attention_heads": 64, "num_key_value_heads": 64,
+        "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "vocab_size": 163840, "routed_scaling_factor": 2.827, "num_nextn_predict_layers": 0,
+        "rope_theta": 50000.0, "max_position_embeddings": 131072,
+        "rope_scaling": dict(DEEPSEEK_V3_CONFIG["rope_scaling"], factor=32.0, beta_fast=1.0,
+                             beta_slow=1.0),
+    },
+}  # fmt: skip
+
+
+def family_config(name: str) -> dict:
+    """config.json of `name` (a key of FAMILIES); a None value writes no key, except
+    q_lora_rank, which the published configs of models without q-LoRA write as null."""
+    if name not in FAMILIES:
+        raise ValueError(f"family {name!r}: expected one of {sorted(FAMILIES)}")
+    cfg = DEEPSEEK_V3_CONFIG | FAMILIES[name]
+    return {k: v for k, v in cfg.items() if v is not None or k == "q_lora_rank"}
+
+
+def _fp8(name: str, out_dim: int, in_dim: int, block: tuple[int, int] | None):
+    """A float8 matrix and its float32 block scales, as (name, dtype, shape) rows; a bfloat16
+    matrix where the checkpoint is not quantised (block None)."""
+    if block is None:
+        yield name, "BF16", [out_dim, in_dim]
+        return
     b0, b1 = block
     yield name, "F8_E4M3", [out_dim, in_dim]
     yield name + "_scale_inv", "F32", [-(-out_dim // b0), -(-in_dim // b1)]
@@ -111,12 +178,15 @@ def _mlp(prefix: str, hidden: int, inter: int, block):
 def _layer(cfg: dict, i: int, block):
     """Tensors of decoder layer i: MLA, then the dense MLP or the MoE, then the two norms."""
     h, p = cfg["hidden_size"], f"model.layers.{i}"
-    heads, q_rank, kv_rank = cfg["num_attention_heads"], cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    heads, q_rank, kv_rank = cfg["num_attention_heads"], cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
     qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     a = f"{p}.self_attn"
-    yield from _fp8(f"{a}.q_a_proj.weight", q_rank, h, block)
-    yield f"{a}.q_a_layernorm.weight", "BF16", [q_rank]
-    yield from _fp8(f"{a}.q_b_proj.weight", heads * qk, q_rank, block)
+    if q_rank:
+        yield from _fp8(f"{a}.q_a_proj.weight", q_rank, h, block)
+        yield f"{a}.q_a_layernorm.weight", "BF16", [q_rank]
+        yield from _fp8(f"{a}.q_b_proj.weight", heads * qk, q_rank, block)
+    else:  # no q-LoRA (V2-Lite, Moonlight)
+        yield from _fp8(f"{a}.q_proj.weight", heads * qk, h, block)
     yield from _fp8(f"{a}.kv_a_proj_with_mqa.weight", kv_rank + cfg["qk_rope_head_dim"], h, block)
     yield f"{a}.kv_a_layernorm.weight", "BF16", [kv_rank]
     kv_b_out = heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])
@@ -127,7 +197,8 @@ def _layer(cfg: dict, i: int, block):
     else:
         E, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
         yield f"{p}.mlp.gate.weight", "BF16", [E, h]
-        yield f"{p}.mlp.gate.e_score_correction_bias", "F32", [E]
+        if cfg.get("topk_method", "noaux_tc") == "noaux_tc":
+            yield f"{p}.mlp.gate.e_score_correction_bias", "F32", [E]
         for e in range(E):
             yield from _mlp(f"{p}.mlp.experts.{e}", h, inter, block)
         yield from _mlp(f"{p}.mlp.shared_experts", h, inter * cfg["n_shared_experts"], block)
@@ -137,7 +208,8 @@ def _layer(cfg: dict, i: int, block):
 
 def checkpoint_tensors(cfg: dict) -> list[tuple[str, str, list[int]]]:
     """(name, safetensors dtype, shape) of every tensor, in checkpoint order."""
-    block = tuple(cfg["quantization_config"]["weight_block_size"])
+    qc = cfg.get("quantization_config")
+    block = tuple(qc["weight_block_size"]) if qc else None
     h, vocab, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     out = [("model.embed_tokens.weight", "BF16", [vocab, h])]
     for i in range(n):
@@ -211,13 +283,19 @@ def main() -> None:
     )
     ap.add_argument("--output-dir", type=Path, required=True, help="directory to write")
     ap.add_argument("--shards", type=int, default=163, help="shard files (DeepSeek-V3: 163)")
+    ap.add_argument(
+        "--family",
+        choices=sorted(FAMILIES),
+        default="deepseek-v3",
+        help="whose published config and dtypes to replicate",
+    )
     ap.add_argument("--force", action="store_true", help="replace an existing output directory")
     args = ap.parse_args()
     if args.output_dir.exists():
         if not args.force:
             sys.exit(f"error: {args.output_dir} exists (use --force to replace it)")
         shutil.rmtree(args.output_dir)
-    path = make_header_checkpoint(args.output_dir, args.shards)
+    path = make_header_checkpoint(args.output_dir, args.shards, family_config(args.family))
     print(f"wrote {path}")
 
 

@@ -8,7 +8,8 @@ The layout is DeepSeek-V3's: `model.layers.{i}` for the target, MTP layers at
 shared_head.{norm,head} / embed_tokens (the last two copies of the target's).
 With --fp8-block, every `*proj.weight` matrix (`kv_a_proj_with_mqa` too, as in
 DeepSeek-V3's checkpoint) is stored as float8 e4m3 with a `weight_scale_inv` per block
-(the default dims are not multiples of 32, so edge blocks are partial). Weights are
+(the default dims are not multiples of 32, so edge blocks are partial); --scale-fmt ue8m0
+rounds each scale up to a power of two, as DeepSeek-V3.1 does. Weights are
 fan-in-scaled normals, so activations keep trained-model magnitudes.
 """
 
@@ -129,6 +130,7 @@ def make_random_checkpoint(
     shards: int = 1,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    scale_fmt: str | None = None,
 ) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,7 +140,7 @@ def make_random_checkpoint(
     stored: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if fp8_block and t.dim() == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight")):
-            q, scale_inv = quantize(t, fp8_block)
+            q, scale_inv = quantize(t, fp8_block, scale_fmt)
             stored[name], stored[name + "_scale_inv"] = q, scale_inv
         else:
             stored[name] = t if name.endswith("e_score_correction_bias") else t.to(dtype)
@@ -148,7 +150,7 @@ def make_random_checkpoint(
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": list(fp8_block),
-        }
+        } | ({"scale_fmt": scale_fmt} if scale_fmt else {})
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     names = sorted(stored)
     groups = [names[i::shards] for i in range(shards)]
@@ -181,6 +183,11 @@ def main() -> None:
         metavar=("ROWS", "COLS"),
         help="store *proj weights as FP8 with this block size (e.g. 128 128)",
     )
+    ap.add_argument(
+        "--scale-fmt",
+        choices=["ue8m0"],
+        help="with --fp8-block: scales rounded up to powers of two, as DeepSeek-V3.1 ships them",
+    )
     ap.add_argument("--shards", type=int, default=1, help="number of safetensors shards")
     ap.add_argument("--num-mtp", type=int, default=1, help="MTP layers (num_nextn_predict_layers)")
     ap.add_argument("--seed", type=int, default=0, help="random seed")
@@ -192,6 +199,8 @@ def main() -> None:
     )
     ap.add_argument("--force", action="store_true", help="replace an existing output directory")
     args = ap.parse_args()
+    if args.scale_fmt and not args.fp8_block:
+        sys.exit("error: --scale-fmt needs --fp8-block")
     if args.output_dir.exists():
         if not args.force:
             sys.exit(f"error: {args.output_dir} exists (use --force to replace it)")
@@ -203,6 +212,7 @@ def main() -> None:
         seed=args.seed,
         fp8_block=tuple(args.fp8_block) if args.fp8_block else None,
         dtype=getattr(torch, args.dtype),
+        scale_fmt=args.scale_fmt,
     )
     print(f"wrote {path}")
 

@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     import torch
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+# Router affinity: DeepSeek-V3 (and Kimi-K2, Moonlight) sigmoid; DeepSeek-V2 softmax.
+SCORING_FUNCS = ("sigmoid", "softmax")
+# Expert choice (models/layers/moe.py): V3's bias-steered grouped top-k, V2's group-limited
+# top-k (groups ranked by their best expert) and V2-Lite's plain top-k.
+TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 
 # dtype names and the torch dtype each means (torch is imported only when one is asked
 # for: the daemon's HTTP process reads these configs and never runs a tensor)
@@ -194,6 +199,7 @@ class ModelConfig:
             if cfg.get(name) is None:
                 raise ValueError(f"config.json is missing the field {name!r}")
         n_routed = int(cfg.get("n_routed_experts") or 0)
+        v2 = "DeepseekV3ForCausalLM" not in archs
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -216,8 +222,9 @@ class ModelConfig:
             topk_group=int(cfg.get("topk_group") or 1),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            scoring_func=cfg.get("scoring_func", "sigmoid"),
-            topk_method=cfg.get("topk_method", "noaux_tc"),
+            # DeepSeek-V2 configs route by softmax and plain top-k unless they say otherwise.
+            scoring_func=cfg.get("scoring_func") or ("softmax" if v2 else "sigmoid"),
+            topk_method=cfg.get("topk_method") or ("greedy" if v2 else "noaux_tc"),
             first_k_dense_replace=int(cfg.get("first_k_dense_replace", 0)),
             moe_layer_freq=int(cfg.get("moe_layer_freq", 1)),
             num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
@@ -246,10 +253,14 @@ class ModelConfig:
                 raise ValueError(
                     f"config.json is missing the field {name!r} (needed for MoE layers)"
                 )
-        if self.scoring_func != "sigmoid":
-            raise ValueError(f"config.json scoring_func={self.scoring_func!r}; only 'sigmoid'")
-        if self.topk_method != "noaux_tc":
-            raise ValueError(f"config.json topk_method={self.topk_method!r}; only 'noaux_tc'")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"config.json scoring_func={self.scoring_func!r}; expected one of {SCORING_FUNCS}"
+            )
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(
+                f"config.json topk_method={self.topk_method!r}; expected one of {TOPK_METHODS}"
+            )
         if self.n_routed_experts % self.n_group:
             raise ValueError(
                 f"config.json n_routed_experts={self.n_routed_experts} is not divisible by "

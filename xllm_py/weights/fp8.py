@@ -37,9 +37,15 @@ FP8 = torch.float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
 
 
+# `quantization_config.scale_fmt` values: None (any float32 scale) or DeepSeek-V3.1's
+# "ue8m0" (every scale a power of two: an 8-bit exponent, no mantissa).
+SCALE_FORMATS = (None, "ue8m0")
+
+
 @dataclass(frozen=True)
 class Fp8Config:
     block: tuple[int, int]
+    scale_fmt: str | None = None
 
     @classmethod
     def from_quantization_config(cls, qc: dict | None) -> Fp8Config | None:
@@ -57,7 +63,22 @@ class Fp8Config:
         block = qc.get("weight_block_size")
         if not block or len(block) != 2:
             raise ValueError(f"quantization_config.weight_block_size={block!r}: need [rows, cols]")
-        return cls((int(block[0]), int(block[1])))
+        scale_fmt = qc.get("scale_fmt")
+        if scale_fmt not in SCALE_FORMATS:
+            raise ValueError(
+                f"quantization_config.scale_fmt={scale_fmt!r} is not supported; expected one "
+                f"of {list(SCALE_FORMATS)}"
+            )
+        return cls((int(block[0]), int(block[1])), scale_fmt)
+
+    def check_scales(self, name: str, scale: torch.Tensor) -> None:
+        """Under ue8m0 every scale must be a power of two: a checkpoint that says ue8m0 and
+        is not was converted wrongly, and a kernel that trusts the format would misread it."""
+        if self.scale_fmt == "ue8m0" and not bool((torch.frexp(scale).mantissa == 0.5).all()):
+            raise ValueError(
+                f"tensor {name + SCALE_SUFFIX!r}: quantization_config.scale_fmt='ue8m0' but "
+                "not every scale is a power of two"
+            )
 
 
 def is_scale(name: str) -> bool:
@@ -119,8 +140,11 @@ def _expand(w, scale, rows, cols, block_cols: int | None = None) -> torch.Tensor
     return out.mul_(s[..., cols])
 
 
-def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse, for tools and tests: per-block absmax scaling into e4m3's range."""
+def quantize(
+    w: torch.Tensor, block: tuple[int, int], scale_fmt: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse, for tools and tests: per-block absmax scaling into e4m3's range; under
+    `scale_fmt="ue8m0"` each scale rounded up to a power of two (DeepSeek-V3.1's layout)."""
     out_dim, in_dim = w.shape
     b0, b1 = block
     rows, cols = -(-out_dim // b0), -(-in_dim // b1)
@@ -129,6 +153,8 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     blocks = padded.view(rows, b0, cols, b1)
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
     scale_inv = amax / torch.finfo(torch.float8_e4m3fn).max  # [rows, cols]
+    if scale_fmt == "ue8m0":  # up, so that every block still fits e4m3's range
+        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
     q = (blocks / scale_inv[:, None, :, None]).view(rows * b0, cols * b1)[:out_dim, :in_dim]
     return q.to(torch.float8_e4m3fn), scale_inv
 

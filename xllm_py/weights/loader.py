@@ -147,9 +147,12 @@ class Checkpoint:
         if scale_name not in self.files:
             raise ValueError(f"float8 tensor {name!r} has no {scale_name!r} in the checkpoint")
         if self.files[scale_name] == self.files[name]:
-            return self.read(st, scale_name, index)
-        with _open(self.files[scale_name]) as other:
-            return self.read(other, scale_name, index)
+            scale = self.read(st, scale_name, index)
+        else:
+            with _open(self.files[scale_name]) as other:
+                scale = self.read(other, scale_name, index)
+        self.fp8.check_scales(name, scale)
+        return scale
 
     def _dequantize(self, name, t, scale, dtype, offset) -> torch.Tensor:
         try:

@@ -1,12 +1,16 @@
-"""DeepSeek-V3 mixture of experts: `noaux_tc` grouped top-k routing, routed
-experts run grouped by expert, plus always-on shared experts.
+"""DeepSeek-V2/V3 mixture of experts: top-k routing, routed experts run grouped by expert,
+plus always-on shared experts.
 
-Routing, in float32 (docs/design.md section 3):
-    s  = sigmoid(x Wg^T)                  # [T, E] affinity
-    s' = s + e_score_correction_bias      # only used to *choose* experts
-    group score = sum of the top-2 s' per group; keep `topk_group` groups,
-    the rest masked with -inf; pick the top `num_experts_per_tok` of s'.
-    weight = s at the picks (no bias), / sum when norm_topk_prob,
+Routing, in float32 (docs/design.md section 3), by the config's scoring_func and
+topk_method:
+    s  = sigmoid(x Wg^T) or softmax(x Wg^T)   # [T, E] affinity
+    noaux_tc (V3):  s' = s + e_score_correction_bias, only used to *choose* experts;
+        group score = sum of the top-2 s' per group; keep `topk_group` groups, the rest
+        masked with -inf; pick the top `num_experts_per_tok` of s'.
+    group_limited_greedy (V2): group score = max s per group; keep `topk_group` groups;
+        pick the top `num_experts_per_tok` of s among them.
+    greedy (V2-Lite): the top `num_experts_per_tok` of s.
+    weight = s at the picks (never the bias), / sum when norm_topk_prob,
              * routed_scaling_factor
 Expert execution sorts the T * top_k (token, expert) assignments by expert so
 each active expert runs one matmul over all of its tokens.
@@ -44,7 +48,7 @@ GRAPH_GATHER_ASSIGNMENTS = 16
 
 
 class Router(nn.Module):
-    """Checkpoint names: `mlp.gate.weight`, `mlp.gate.e_score_correction_bias`."""
+    """Checkpoint names: `mlp.gate.weight`, `mlp.gate.e_score_correction_bias` (noaux_tc only)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -59,17 +63,27 @@ class Router(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=f32), requires_grad=False
         )
-        self.register_buffer(
-            "e_score_correction_bias", torch.empty(cfg.n_routed_experts, dtype=f32)
-        )
+        self.softmax = cfg.scoring_func == "softmax"
+        self.method = cfg.topk_method
+        if self.method == "noaux_tc":  # only V3's routing has (and loads) a correction bias
+            self.register_buffer(
+                "e_score_correction_bias", torch.empty(cfg.n_routed_experts, dtype=f32)
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, top_k] float32, expert ids [T, top_k])."""
-        scores = F.linear(x if x.dtype == torch.float32 else x.float(), self.weight).sigmoid()
-        choice = scores + self.e_score_correction_bias
-        if self.topk_group < self.n_group:  # with every group kept, masking is a no-op
+        logits = F.linear(x if x.dtype == torch.float32 else x.float(), self.weight)
+        scores = logits.softmax(dim=-1) if self.softmax else logits.sigmoid()
+        choice = scores
+        if self.method == "noaux_tc":
+            choice = scores + self.e_score_correction_bias
+        # with every group kept, masking is a no-op
+        if self.method != "greedy" and self.topk_group < self.n_group:
             grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+            if self.method == "noaux_tc":
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+            else:
+                group_scores = grouped.amax(dim=-1)
             keep = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
             dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
             choice = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view_as(scores)
