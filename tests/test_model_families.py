@@ -1,4 +1,5 @@
-"""DeepSeek-V3.1's FP8 layout (`scale_fmt: ue8m0`, every block scale a power of two).
+"""DeepSeek-V3.1's FP8 layout (`scale_fmt: ue8m0`, every block scale a power of two), and
+Kimi-K2-Thinking's INT4 routed experts (compressed-tensors `pack-quantized`).
 
 The other families (V2-Lite, V2, Moonlight, Kimi-K2) are compared with HF transformers in
 test_hf_reference.py. Here:
@@ -8,7 +9,11 @@ test_hf_reference.py. Here:
 - the bundled model in that layout: MTP k = 1 and 2 give the plain run's tokens, and drafts
   are accepted;
 - a checkpoint that says ue8m0 but holds another scale, or names an unknown scale_fmt, is
-  refused with an error naming the tensor or the value.
+  refused with an error naming the tensor or the value;
+- a Kimi-K2-shaped HF checkpoint with its routed experts packed to INT4 by
+  tools/quantize_int4.py (checked against the format's documented packing, read here
+  independently) decodes as HF does on the same weights dequantised by this test; schemes
+  the engine does not read are refused naming the field.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -29,6 +35,7 @@ from tests.hf_reference import (
     reference_prompts,
 )
 from tests.test_checkpoints import all_tensors, reference_dequant
+from tools.quantize_int4 import quantize_checkpoint
 from xllm_py import LLM, SamplingParams
 from xllm_py.assets import BUNDLED_MODEL_DIR
 from xllm_py.weights.fp8 import quantize
@@ -147,4 +154,95 @@ def test_an_unknown_scale_fmt_is_refused_naming_it(v31, tmp_path):
     cfg["quantization_config"]["scale_fmt"] = "ue4m3"
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="scale_fmt='ue4m3'"):
+        LLM(model=str(bad), dtype="float32")
+
+
+# ---- Kimi-K2-Thinking's INT4 routed experts (compressed-tensors pack-quantized) ---------------
+
+KIMI = "kimi_like"
+GROUP = 32  # Kimi-K2-Thinking's group size
+
+
+def reference_unpack(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """The format's documented packing, read word by word with numpy, independently of
+    xllm_py.weights.int4: column 8j+i in bits 4i..4i+3 of word j, stored as q + 8."""
+    words = packed.numpy().view(np.uint32)
+    out = np.zeros((words.shape[0], words.shape[1] * 8), dtype=np.int64)
+    for i in range(8):
+        out[:, i::8] = ((words >> np.uint32(4 * i)) & np.uint32(0xF)).astype(np.int64) - 8
+    return torch.from_numpy(out[:, :cols])
+
+
+@pytest.fixture(scope="module")
+def kimi_int4(tmp_path_factory) -> tuple[Path, Path]:
+    """(the INT4 checkpoint, the same weights dequantised by the test for HF)."""
+    root = tmp_path_factory.mktemp("kimi-int4")
+    hf = make_hf_checkpoint(KIMI, root / "hf", seed=CHECKPOINT_SEEDS[KIMI])
+    q = quantize_checkpoint(hf, root / "int4", group_size=GROUP)
+    plain = root / "plain"
+    plain.mkdir()
+    stored, out = load_file(str(q / "model.safetensors")), {}
+    for name, t in stored.items():
+        if name.endswith("_packed"):
+            base = name.removesuffix("_packed")
+            rows, cols = stored[base + "_shape"].tolist()
+            scale = stored[base + "_scale"].float().repeat_interleave(GROUP, dim=1)[:, :cols]
+            out[base] = reference_unpack(t, cols).float() * scale
+        elif not name.endswith(("_scale", "_shape")):
+            out[name] = t
+    save_file(out, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((q / "config.json").read_text())
+    del cfg["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(cfg))
+    return q, plain
+
+
+def test_int4_experts_are_packed_as_the_format_documents(kimi_int4):
+    q, _ = kimi_int4
+    stored = load_file(str(q / "model.safetensors"))
+    packed = [n for n in stored if n.endswith("weight_packed")]
+    assert packed and all(".mlp.experts." in n for n in packed)  # experts only
+    assert not any(n.endswith("_packed") for n in stored if "self_attn" in n)
+    cfg = json.loads((q / "config.json").read_text())["quantization_config"]
+    assert (cfg["quant_method"], cfg["format"]) == ("compressed-tensors", "pack-quantized")
+    name = packed[0].removesuffix("_packed")
+    rows, cols = stored[name + "_shape"].tolist()
+    assert stored[packed[0]].dtype == torch.int32 and stored[packed[0]].shape == (rows, cols // 8)
+    values = reference_unpack(stored[packed[0]], cols)
+    assert values.min() >= -8 and values.max() <= 7 and values.abs().max() == 7
+
+
+def test_int4_checkpoint_decodes_as_hf_on_its_dequantised_weights(kimi_int4):
+    q, plain = kimi_int4
+    prompts = reference_prompts(KIMI)
+    ref = hf_greedy_detailed(plain, prompts, MAX_NEW_TOKENS)
+    assert min(min(g) for g in ref["top1_top2_gaps"]) > 1e-3  # decisive on these weights
+    assert ref["min_router_margin"] > 1e-4
+    llm = LLM(model=str(q), device="cpu", dtype="float32", block_size=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    for i, (o, (want_tokens, want_lps)) in enumerate(zip(outs, ref["results"])):
+        out = o.outputs[0]
+        assert list(out.token_ids) == want_tokens, f"prompt {i}"
+        lps = [d[t] for d, t in zip(out.logprobs, out.token_ids)]
+        assert max(abs(a - b) for a, b in zip(lps, want_lps)) <= 1e-4, f"prompt {i}"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: c["config_groups"]["group_0"]["weights"].update(num_bits=8), "num_bits=8"),
+        (lambda c: c["config_groups"]["group_0"]["weights"].update(symmetric=False), "symmetric"),
+        (lambda c: c.update(format="float-quantized"), "format='float-quantized'"),
+    ],
+    ids=["int8", "asymmetric", "fp8-block"],
+)
+def test_an_int4_scheme_this_engine_does_not_read_is_refused_naming_it(
+    kimi_int4, tmp_path, change, message
+):
+    bad = tmp_path / "bad"
+    shutil.copytree(kimi_int4[0], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    change(cfg["quantization_config"])
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
         LLM(model=str(bad), dtype="float32")

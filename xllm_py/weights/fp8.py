@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from xllm_py.weights.int4 import Int4Config
+
 logger = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 
@@ -52,6 +54,9 @@ class Fp8Config:
         if not qc:
             return None
         method = qc.get("quant_method")
+        if method == "compressed-tensors":  # INT4 weights (weights/int4.py, read by the
+            Int4Config.from_quantization_config(qc)  # loader) or refused, naming the field
+            return None
         if method != "fp8":
             raise ValueError(
                 f"quantization_config.quant_method={method!r} is not supported; only 'fp8' "

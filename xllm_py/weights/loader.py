@@ -33,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
+from xllm_py.weights import int4
 from xllm_py.weights.fp8 import FP8, SCALE_SUFFIX, Fp8Config, covering, dequantize, is_scale
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,6 +82,22 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
     return names
 
 
+def _is_packed(name: str) -> bool:
+    return name.endswith(".weight" + int4.PACKED)
+
+
+def _int4_config(path: Path) -> int4.Int4Config:
+    cfg_file = path / "config.json"
+    qc = json.loads(cfg_file.read_text()).get("quantization_config") if cfg_file.is_file() else None
+    found = int4.Int4Config.from_quantization_config(qc)
+    if found is None:
+        raise ValueError(
+            f"{path}: the checkpoint holds INT4 pack-quantized tensors (*.weight_packed) but "
+            "config.json has no compressed-tensors quantization_config"
+        )
+    return found
+
+
 def unindexed_weight_files(path: Path) -> list[Path]:
     """The weight files of a checkpoint without an index: its *.safetensors but the token map."""
     return sorted(f for f in path.glob("*.safetensors") if f.name != TOKEN_MAP_FILE)
@@ -95,11 +112,23 @@ class Checkpoint:
         self.fp8 = fp8
         self.bytes_read = 0  # by `read`, over this object's life
         self._lock = threading.Lock()
+        # INT4 pack-quantized weights (weights/int4.py), listed under their logical name
+        # `X.weight`, which maps to the file of `X.weight_packed`.
+        self.int4: set[str] = {n[: -len(int4.PACKED)] for n in self.files if _is_packed(n)}
+        self.int4_group = 0
+        if self.int4:
+            self.int4_group = _int4_config(self.path).group_size
+            self.files.update({n: self.files[n + int4.PACKED] for n in self.int4})
 
     @property
     def names(self) -> list[str]:
-        """Weight names (FP8 scale tensors are part of their weight, not listed)."""
-        return [n for n in self.files if not is_scale(n)]
+        """Weight names (FP8 scale tensors are part of their weight, not listed; an INT4
+        weight is listed once, as `X.weight`)."""
+        return [n for n in self.files if not is_scale(n) and not self._int4_part(n)]
+
+    def _int4_part(self, name: str) -> bool:
+        base, _, suffix = name.rpartition("_")
+        return f"_{suffix}" in int4.SUFFIXES and base in self.int4
 
     def tensors(
         self, names: list[str], dtype: torch.dtype | None = None, desc: str = "loading weights"
@@ -125,7 +154,10 @@ class Checkpoint:
 
     def read(self, st, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """Tensor `name` as stored, or the part `index` selects (read from the file as a
-        slice: nothing else of the tensor is read). Counted in `bytes_read`."""
+        slice: nothing else of the tensor is read). Counted in `bytes_read`. An INT4 weight
+        comes dequantised to float32, whole, then sliced."""
+        if name in self.int4:
+            return self._read_int4(name, index)
         try:
             t = st.get_tensor(name) if index is None else st.get_slice(name)[index]
         except (SafetensorError, OSError) as e:
@@ -135,7 +167,24 @@ class Checkpoint:
         return t
 
     def shape(self, st, name: str) -> tuple[int, ...]:
+        if name in self.int4:
+            with _open(self.files[name + int4.SHAPE]) as f:
+                return tuple(int(d) for d in self.read(f, name + int4.SHAPE).tolist())
         return tuple(st.get_slice(name).get_shape())
+
+    def _read_int4(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
+        parts = {}
+        for suffix in int4.SUFFIXES:
+            with _open(self.files[name + suffix]) as f:
+                parts[suffix] = self.read(f, name + suffix)
+        shape = tuple(int(d) for d in parts[int4.SHAPE].tolist())
+        try:
+            w = int4.dequantize_int4(
+                parts[int4.PACKED], parts[int4.SCALE], shape, self.int4_group, torch.float32
+            )
+        except ValueError as e:
+            raise ValueError(f"{self.path}: INT4 tensor {name!r}: {e}") from None
+        return w if index is None else w[index]
 
     def read_scale(self, st, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The block scales of float8 weight `name` (the blocks `index` selects)."""
