@@ -84,6 +84,7 @@ FAMILY_TOTALS = {
     "deepseek-v2": (236e9, 21e9),
     "moonlight-16b-a3b": (16e9, None),
     "kimi-k2": (1.03e12, 32e9),
+    "kimi-k2-thinking": (1.03e12, 32e9),  # INT4 experts: counted as values, not words
 }
 
 
@@ -98,6 +99,18 @@ def test_other_family_replicas_match_their_published_counts(family, tmp_path):
     assert abs(plan.totals["main"] / total - 1) < 0.02
     if active:
         assert abs(plan.totals["activated"] / active - 1) < 0.05
+
+
+def test_int4_experts_are_priced_as_the_engine_holds_them(tmp_path):
+    """Kimi-K2-Thinking's INT4 experts are dequantised at load (keeping them packed is not
+    written): priced at bf16, twice Kimi-K2's FP8 experts, not at their 4-bit size."""
+    plans = {}
+    for family in ("kimi-k2", "kimi-k2-thinking"):
+        path = make_header_checkpoint(tmp_path / family, shards=4, config=family_config(family))
+        plans[family] = make_plan(path, 8, tp=8, ep=8, num_speculative_tokens=0)
+    fp8, int4 = (plans[f].rank_bytes("experts") for f in ("kimi-k2", "kimi-k2-thinking"))
+    assert plans["kimi-k2-thinking"].opts.weight_dtype == "bf16"
+    assert 1.95 < int4 / fp8 < 2.0  # bf16 vs FP8 + its block scales
 
 
 def _split_ways(name: str, tp: int, ep: int) -> int:

@@ -11,7 +11,8 @@ the ~685 GB replica takes a few MB of disk.
 
 --family replicates another DeepSeek-V3-family checkpoint from its published config:
 deepseek-v3.1 (ue8m0 scales), deepseek-v2, deepseek-v2-lite, moonlight-16b-a3b (bfloat16,
-no q-LoRA) or kimi-k2 (FP8, 384 experts, no MTP).
+no q-LoRA), kimi-k2 (FP8, 384 experts, no MTP) or kimi-k2-thinking (INT4 routed experts,
+the rest bfloat16).
 
 What it is for: tools that read only the headers (`python -m xllm_py.plan`). Reading a
 tensor gives zeros. The layout is the one tools/make_random_checkpoint.py writes and the
@@ -27,6 +28,7 @@ plan's check of the model's shapes against these headers is an independent one.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -34,8 +36,10 @@ import struct
 import sys
 from pathlib import Path
 
+from xllm_py.weights.int4 import quantization_config
+
 INDEX_FILE = "model.safetensors.index.json"
-DTYPE_BYTES = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
+DTYPE_BYTES = {"F8_E4M3": 1, "BF16": 2, "F32": 4, "I32": 4, "I64": 8}
 
 # DeepSeek-V3's published config.json (the fields this engine or the plan read, and the
 # rest of its architecture fields; auto_map and transformers_version left out).
@@ -138,6 +142,15 @@ FAMILIES: dict[str, dict] = {
         "vocab_size": 163840, "routed_scaling_factor": 2.446, "rope_scaling": None,
         "rope_theta": 50000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
     },
+    "kimi-k2-thinking": {
+        "model_type": "kimi_k2", "num_attention_heads": 64, "num_key_value_heads": 64,
+        "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "vocab_size": 163840, "routed_scaling_factor": 2.827, "num_nextn_predict_layers": 0,
+        "rope_theta": 50000.0, "max_position_embeddings": 262144,
+        "rope_scaling": dict(DEEPSEEK_V3_CONFIG["rope_scaling"], factor=64.0, beta_fast=1.0,
+                             beta_slow=1.0),
+        "quantization_config": quantization_config(32),  # INT4 routed experts, the rest BF16
+    },
     "kimi-k2": {
         "model_type": "kimi_k2", "num_attention_heads": 64, "num_key_value_heads": 64,
         "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
@@ -169,10 +182,19 @@ def _fp8(name: str, out_dim: int, in_dim: int, block: tuple[int, int] | None):
     yield name + "_scale_inv", "F32", [-(-out_dim // b0), -(-in_dim // b1)]
 
 
-def _mlp(prefix: str, hidden: int, inter: int, block):
-    yield from _fp8(f"{prefix}.gate_proj.weight", inter, hidden, block)
-    yield from _fp8(f"{prefix}.up_proj.weight", inter, hidden, block)
-    yield from _fp8(f"{prefix}.down_proj.weight", hidden, inter, block)
+def _int4(name: str, out_dim: int, in_dim: int, group: int):
+    """An INT4 pack-quantized matrix (xllm_py/weights/int4.py) as (name, dtype, shape) rows."""
+    yield name + "_packed", "I32", [out_dim, -(-in_dim // 8)]
+    yield name + "_scale", "BF16", [out_dim, -(-in_dim // group)]
+    yield name + "_shape", "I64", [2]
+
+
+def _mlp(prefix: str, hidden: int, inter: int, block, int4_group: int = 0):
+    matrix = functools.partial(_int4, group=int4_group) if int4_group else _fp8
+    args = () if int4_group else (block,)
+    yield from matrix(f"{prefix}.gate_proj.weight", inter, hidden, *args)
+    yield from matrix(f"{prefix}.up_proj.weight", inter, hidden, *args)
+    yield from matrix(f"{prefix}.down_proj.weight", hidden, inter, *args)
 
 
 def _layer(cfg: dict, i: int, block):
@@ -199,8 +221,11 @@ def _layer(cfg: dict, i: int, block):
         yield f"{p}.mlp.gate.weight", "BF16", [E, h]
         if cfg.get("topk_method", "noaux_tc") == "noaux_tc":
             yield f"{p}.mlp.gate.e_score_correction_bias", "F32", [E]
+        qc = cfg.get("quantization_config") or {}
+        groups = qc.get("config_groups", {}).values()
+        int4_group = next((g["weights"]["group_size"] for g in groups), 0)
         for e in range(E):
-            yield from _mlp(f"{p}.mlp.experts.{e}", h, inter, block)
+            yield from _mlp(f"{p}.mlp.experts.{e}", h, inter, block, int4_group)
         yield from _mlp(f"{p}.mlp.shared_experts", h, inter * cfg["n_shared_experts"], block)
     yield f"{p}.input_layernorm.weight", "BF16", [h]
     yield f"{p}.post_attention_layernorm.weight", "BF16", [h]
@@ -209,7 +234,7 @@ def _layer(cfg: dict, i: int, block):
 def checkpoint_tensors(cfg: dict) -> list[tuple[str, str, list[int]]]:
     """(name, safetensors dtype, shape) of every tensor, in checkpoint order."""
     qc = cfg.get("quantization_config")
-    block = tuple(qc["weight_block_size"]) if qc else None
+    block = tuple(qc["weight_block_size"]) if qc and "weight_block_size" in qc else None
     h, vocab, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     out = [("model.embed_tokens.weight", "BF16", [vocab, h])]
     for i in range(n):

@@ -25,28 +25,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from xllm_py.weights.int4 import PACKED, SCALE, SHAPE, quantize_int4
+from xllm_py.weights.int4 import PACKED, SCALE, SHAPE, quantization_config, quantize_int4
 from xllm_py.weights.loader import tensor_files
 
 EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-
-
-def quantization_config(group_size: int) -> dict:
-    """The config.json entry of this layout (compressed-tensors' field names)."""
-    weights = dict(num_bits=4, type="int", symmetric=True, strategy="group",
-                   group_size=group_size, dynamic=False, observer="minmax")  # fmt: skip
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}
-        },
-        "ignore": [
-            "lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-            "re:.*mlp\\.(gate|up|down)_proj.*",
-        ],
-    }  # fmt: skip
 
 
 def quantize_checkpoint(src: Path, dst: Path, group_size: int = 32) -> Path:

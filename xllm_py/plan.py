@@ -41,6 +41,7 @@ from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
 from xllm_py.models.layers.mla import MLAttention
 from xllm_py.models.layers.norm import RMSNorm
 from xllm_py.parallel.context import ParallelContext
+from xllm_py.weights import int4
 from xllm_py.weights.fp8 import SCALE_SUFFIX, Fp8Config
 from xllm_py.weights.loader import INDEX_FILE, layer_index, unindexed_weight_files
 
@@ -139,7 +140,20 @@ def read_headers(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
         header.pop("__metadata__", None)
         out.update({k: (v["dtype"], tuple(v["shape"])) for k, v in header.items()})
-    return out
+    return _fold_int4(out)
+
+
+def _fold_int4(headers: dict) -> dict:
+    """An INT4 pack-quantized weight (weights/int4.py: `X.weight_packed` int32 [out, in / 8]
+    with its `_scale` and `_shape`) as the one logical `X.weight` [out, 8 x words] the model
+    holds (its true width is in `_shape`'s data, which a plan does not read; checkpoints'
+    widths are multiples of 8)."""
+    for name in [n for n in headers if n.endswith(".weight" + int4.PACKED)]:
+        base = name.removesuffix(int4.PACKED)
+        rows, words = headers.pop(name)[1]
+        headers.pop(base + int4.SCALE, None), headers.pop(base + int4.SHAPE, None)
+        headers[base] = ("I4", (rows, words * int4.PACK))
+    return headers
 
 
 def kind_of(name: str, num_hidden_layers: int) -> str:
@@ -266,11 +280,13 @@ def make_plan(model: str | Path, devices: int, **options) -> Plan:
     if o.block_size < 1:
         raise ValueError(f"--block_size={o.block_size}: must be >= 1")
     cfg = ModelConfig.from_pretrained(model)
-    quantized, wd = bool(cfg.quantization_config), o.weight_dtype
+    # FP8 weights can stay FP8; INT4 ones (weights/int4.py) are dequantised at load.
+    quantized = Fp8Config.from_quantization_config(cfg.quantization_config) is not None
+    wd = o.weight_dtype
     wd = ("fp8" if quantized else "bf16") if wd == "auto" else wd
     if wd not in _COMPUTE or (wd == "fp8" and not quantized):
         raise ValueError(
-            f"--weight_dtype={wd}: use auto, bf16, float32 or (with a quantization_config "
+            f"--weight_dtype={wd}: use auto, bf16, float32 or (with an FP8 quantization_config "
             "in config.json) fp8"
         )
     if o.num_speculative_tokens and not cfg.num_nextn_predict_layers:

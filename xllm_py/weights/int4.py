@@ -111,3 +111,21 @@ def dequantize_int4(
     q = unpack_int4(packed, cols).float()
     per_col = scale.float().repeat_interleave(group_size, dim=-1)[:, :cols]
     return (q * per_col).to(dtype)
+
+
+def quantization_config(group_size: int) -> dict:
+    """The config.json entry of this layout (compressed-tensors' field names)."""
+    weights = dict(num_bits=4, type="int", symmetric=True, strategy="group",
+                   group_size=group_size, dynamic=False, observer="minmax")  # fmt: skip
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}
+        },
+        "ignore": [
+            "lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+            "re:.*mlp\\.(gate|up|down)_proj.*",
+        ],
+    }  # fmt: skip
