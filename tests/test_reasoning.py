@@ -1,7 +1,10 @@
-"""DeepSeek-R1's reasoning split (`--reasoning_parser=deepseek_r1`): fixtures written from
-R1's documented output (`<think>\\n...\\n</think>\\n\\nanswer`, the opening tag in the
-prompt from R1-0528 on), whole and streamed in every way the text can be cut; and the
-daemon's chat answers, streamed and not."""
+"""The reasoning split (`--reasoning_parser`): fixtures written from DeepSeek-R1's
+documented output (`<think>\\n...\\n</think>\\n\\nanswer`, the opening tag in the prompt
+from R1-0528 on), DeepSeek-V3.1's hybrid thinking (`deepseek_v3`: split only when the
+request's chat_template_kwargs turn thinking on) and Kimi-K2-Thinking's (`kimi_k2`: like R1,
+and a section of tool calls also ends the thinking), each whole and streamed in every way
+the text can be cut; which requests think; and the daemon's chat answers, streamed and
+not."""
 
 from __future__ import annotations
 
@@ -11,7 +14,13 @@ import httpx
 import pytest
 
 from tests.server_utils import Server
-from xllm_py.entrypoints.reasoning import StreamSplitter, split
+from xllm_py.entrypoints.reasoning import (
+    KIMI_TOOLS,
+    StreamSplitter,
+    split,
+    splitter_for,
+    thinks,
+)
 
 FIXTURES = [
     # (output text, reasoning_content, content)
@@ -32,8 +41,8 @@ def test_whole_output_splits(text, reasoning, content):
     assert split(text) == (reasoning, content)
 
 
-def stream(pieces: list[str]) -> tuple[str, str]:
-    s, r, c = StreamSplitter(), "", ""
+def stream(pieces: list[str], **kw) -> tuple[str, str]:
+    s, r, c = StreamSplitter(**kw), "", ""
     for n, piece in enumerate(pieces):
         dr, dc = s.feed(piece, final=n == len(pieces) - 1)
         r, c = r + dr, c + dc
@@ -57,6 +66,88 @@ def test_nothing_is_held_back_once_it_cannot_be_a_tag():
     assert s.feed(" fine </th") == (" fine ", "")  # could still be </think>
     assert s.feed("ink>ok") == ("", "ok")
     assert s.feed(" more") == ("", " more")
+
+
+# ---- DeepSeek-V3.1's hybrid thinking and Kimi-K2-Thinking -------------------------------------
+
+SECTION = KIMI_TOOLS + "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
+KIMI_FIXTURES = [
+    # (output text, reasoning_content, content): thinking on, Kimi's tool section ends it
+    ("<think>The user greets me.</think>Hello!", "The user greets me.", "Hello!"),
+    ("<think>I need f." + SECTION, "I need f.", SECTION),  # calls before </think>
+    ("<think>I need f.</think>" + SECTION, "I need f.", SECTION),
+    (SECTION, "", SECTION),
+    ("<think>x <|tool and </thi, then</think>done", "x <|tool and </thi, then", "done"),
+    ("<think>cut short", "cut short", None),
+    ("<|tool_calls_sec", "<|tool_calls_sec", None),
+]
+V31_FIXTURES = [  # thinking on: V3.1's template opened <think> in the prompt
+    ("The user greets me.</think>Hello!", "The user greets me.", "Hello!"),
+    ("Still thinking", "Still thinking", None),
+    ("</think>Straight to it.", "", "Straight to it."),
+]
+
+
+@pytest.mark.parametrize(
+    "kw, text, reasoning, content",
+    [({"tools_begin": KIMI_TOOLS}, *f) for f in KIMI_FIXTURES] + [({}, *f) for f in V31_FIXTURES],
+)
+def test_thinking_outputs_split_the_same_whole_and_streamed(kw, text, reasoning, content):
+    assert split(text, **kw) == (reasoning, content)
+    want = (reasoning or "", content or "")
+    assert stream(list(text), **kw) == want
+    for cut in range(1, len(text)):
+        assert stream([text[:cut], text[cut:]], **kw) == want, cut
+
+
+@pytest.mark.parametrize("text", [t for t, _, _ in FIXTURES + KIMI_FIXTURES + V31_FIXTURES])
+def test_an_answer_that_does_not_think_is_all_content(text):
+    """V3.1 without thinking (its template closed the thinking in the prompt), or Kimi
+    with thinking false: no split, whatever tags the text holds."""
+    for kw in ({}, {"tools_begin": KIMI_TOOLS}):
+        assert split(text, thinking=False, **kw) == (None, text)
+        assert stream(list(text), thinking=False, **kw) == ("", text)
+
+
+def test_r1_keeps_a_tool_section_in_its_thinking_kimi_does_not():
+    """Why kimi_k2 is not an alias of deepseek_r1: Kimi-K2-Thinking may call tools before
+    it closes its thinking, and those calls must reach the tool-call reader."""
+    text = "<think>I need f." + SECTION
+    assert split(text) == ("I need f." + SECTION, None)
+    assert split(text, tools_begin=KIMI_TOOLS) == ("I need f.", SECTION)
+
+
+@pytest.mark.parametrize(
+    "kwargs, r1, v3, kimi",
+    [
+        (None, True, False, True),
+        ({}, True, False, True),
+        ({"thinking": True}, True, True, True),
+        ({"enable_thinking": True}, True, True, True),
+        ({"thinking": False}, True, False, False),
+        ({"enable_thinking": False}, True, False, False),
+        ({"thinking": 1, "other": 0}, True, True, True),
+        ({"thinking": True, "enable_thinking": False}, True, True, False),
+        ({"other": True}, True, False, True),
+    ],
+)
+def test_which_requests_think(kwargs, r1, v3, kimi):
+    """From the request's chat_template_kwargs, as the chat templates read them."""
+    assert thinks("deepseek_r1", kwargs) is r1
+    assert thinks("deepseek_v3", kwargs) is v3
+    assert thinks("kimi_k2", kwargs) is kimi
+
+
+def test_splitter_for_each_parser():
+    text = "<think>a" + SECTION
+    for parser, kwargs, want in [
+        ("deepseek_r1", None, ("a" + SECTION, "")),
+        ("deepseek_v3", None, ("", text)),
+        ("deepseek_v3", {"thinking": True}, ("a" + SECTION, "")),
+        ("kimi_k2", None, ("a", SECTION)),
+        ("kimi_k2", {"thinking": False}, ("", text)),
+    ]:
+        assert splitter_for(parser, kwargs).feed(text, final=True) == want, (parser, kwargs)
 
 
 @pytest.fixture(scope="module")

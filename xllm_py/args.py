@@ -228,15 +228,22 @@ class EngineArgs:
         offline=False)  # fmt: skip
 
     # ---- structured outputs, reasoning and tool calls
-    reasoning_parser: str = option("", "structured", "deepseek_r1: chat answers carry the "
-        "model's <think>...</think> text as message.reasoning_content (delta.reasoning_content "
-        "when streaming), the rest as content; default: off (the thinking stays in content)",
-        offline=False, registry="reasoning")  # fmt: skip
-    tool_call_parser: str = option("", "structured", "deepseek_v3: chat requests may carry tools; "
-        "the model's tool-call tokens come back as OpenAI tool_calls (streamed as id and name, "
-        'then argument fragments) with finish_reason "tool_calls"; tool_choice "required" or a '
-        "named function is enforced by a grammar; default: off (tools other than with "
-        "tool_choice none are a 400)", offline=False, registry="tool_call")  # fmt: skip
+    reasoning_parser: str = option("", "structured", "chat answers carry the model's "
+        "<think>...</think> text as message.reasoning_content (delta.reasoning_content when "
+        "streaming), the rest as content. deepseek_r1: every answer thinks; deepseek_v3 "
+        "(DeepSeek-V3.1's hybrid thinking): only requests whose chat_template_kwargs set "
+        "thinking (or enable_thinking) true, other answers are all content; kimi_k2 "
+        "(Kimi-K2-Thinking): unless thinking (or enable_thinking) is false, and the thinking "
+        "also ends where a section of tool calls begins; default: off (the thinking stays "
+        "in content)", offline=False, registry="reasoning")  # fmt: skip
+    tool_call_parser: str = option("", "structured", "the model's tool-call format: "
+        "deepseek_v3 (DeepSeek-V3, R1), deepseek_v31 (DeepSeek-V3.1: NAME<sep>JSON, no fence) "
+        "or kimi_k2 (Kimi-K2: functions.NAME:IDX, which is the tool_call id). Chat requests "
+        "may carry tools; the model's tool-call tokens come back as OpenAI tool_calls "
+        '(streamed as id and name, then argument fragments) with finish_reason "tool_calls"; '
+        'tool_choice "required" or a named function is enforced by a grammar; default: off '
+        "(tools other than with tool_choice none are a 400)", offline=False,
+        registry="tool_call")  # fmt: skip
     enable_auto_tool_choice: bool = option(False, "structured", 'with --tool_call_parser: allow '
         'tool_choice "auto" (the default when a request gives tools), where the model decides '
         "whether to call", offline=False)  # fmt: skip
@@ -353,7 +360,8 @@ class EngineArgs:
         self.check_fields()
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError(
-                "--enable_auto_tool_choice needs --tool_call_parser (deepseek_v3) to read the calls"
+                "--enable_auto_tool_choice needs a --tool_call_parser (the model's tool-call "
+                "format) to read the calls"
             )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(

@@ -26,14 +26,16 @@ class ChatChoice(ChoiceOutput):
         choice: Choice,
         fmt: Formatter,
         req: ChatCompletionRequest,
-        split_reasoning: bool,
-        read_tool_calls: bool,
+        reasoning_parser: str,
+        tool_call_parser: str | None,
     ) -> None:
         super().__init__(choice, fmt, req.prompt_logprobs)
-        self.splitter = reasoning.StreamSplitter() if split_reasoning else None
+        self.splitter = None
+        if reasoning_parser:
+            self.splitter = reasoning.splitter_for(reasoning_parser, req.chat_template_kwargs)
         self.calls = None
-        if read_tool_calls:
-            self.calls = tool_parser.ToolCallStream(req.parallel_tool_calls)
+        if tool_call_parser:
+            self.calls = tool_parser.stream_for(tool_call_parser, req.parallel_tool_calls)
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.logprobs: list[dict] = []
@@ -95,7 +97,9 @@ async def serve_chat(server: OpenAIServer, request: Request) -> Response:
     mode, named = req.tool_mode(opts.tool_call_parser, opts.enable_auto_tool_choice)
     grammar = None  # required or named calls: (field, the tool-call grammar)
     if mode in ("required", "named"):
-        spec = tool_parser.tool_call_grammar(req.tool_dicts(), named, req.parallel_tool_calls)
+        spec = tool_parser.tool_call_grammar(
+            req.tool_dicts(), named, req.parallel_tool_calls, opts.tool_call_parser
+        )
         grammar = ("tool_choice", StructuredOutput("structural_tag", spec))
     text = await server.run_blocking(server.render_chat, req)
     structured = await server.structured(req, grammar)
@@ -104,7 +108,13 @@ async def serve_chat(server: OpenAIServer, request: Request) -> Response:
     )
     server.admit(len(choices))  # each choice (n) is one engine request
     outputs = [
-        ChatChoice(c, server.formatter, req, bool(opts.reasoning_parser), mode != "none")
+        ChatChoice(
+            c,
+            server.formatter,
+            req,
+            opts.reasoning_parser,
+            opts.tool_call_parser if mode != "none" else None,
+        )
         for c in choices
     ]
     answer = Answer.of(server, req, "chat.completion", "chatcmpl-", outputs)

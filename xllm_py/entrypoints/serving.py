@@ -344,7 +344,12 @@ class OpenAIServer:
         if found is None:
             return None
         field, so = found
-        if isinstance(req, ChatCompletionRequest) and self.opts.reasoning_parser:
+        parser = self.opts.reasoning_parser
+        if (
+            isinstance(req, ChatCompletionRequest)
+            and parser
+            and reasoning.thinks(parser, req.chat_template_kwargs)
+        ):
             try:
                 so = after_reasoning(so, reasoning.END)
             except ValueError as e:

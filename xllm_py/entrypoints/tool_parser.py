@@ -1,24 +1,41 @@
-"""Tool calls in DeepSeek-V3's format (`--tool_call_parser=deepseek_v3`), turned into
-OpenAI's `tool_calls`, whole or streamed.
+"""Tool calls, turned into OpenAI's `tool_calls` whole or streamed, in the format of the
+model named by `--tool_call_parser`. Each writes its calls after any text it wants to
+say first, in one section of calls:
 
-DeepSeek-V3 writes its calls after any text it wants to say first:
+    deepseek_v3   text<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+                  ```json
+                  {"arg": 1}
+                  ```<｜tool▁call▁end｜>
+                  <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME2 ...
+                  <｜tool▁call▁end｜><｜tool▁calls▁end｜>
+    deepseek_v31  text<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>
+                  {"arg": 1}<｜tool▁call▁end｜>
+                  <｜tool▁call▁begin｜>NAME2 ... <｜tool▁call▁end｜><｜tool▁calls▁end｜>
+    kimi_k2       text<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0
+                  <|tool_call_argument_begin|>{"arg": 1}<|tool_call_end|>
+                  <|tool_call_begin|>functions.NAME2:1 ...
+                  <|tool_call_end|><|tool_calls_section_end|>
 
-    text<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
-    ```json
-    {"arg": 1}
-    ```<｜tool▁call▁end｜>
-    <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME2 ... <｜tool▁call▁end｜><｜tool▁calls▁end｜>
+(only V3's fences hold line breaks: the others here are this page's, not the model's). A
+`ToolCallFormat` holds what differs: the four markers; a call's header, from its begin
+marker to its arguments; what V3 writes between the arguments and the call's end (the
+closing fence); and the header's pieces in the grammar. Kimi-K2 names each call
+`functions.NAME:IDX`: that is the OpenAI tool_call id, unchanged, so the tool result a
+client sends back with that `tool_call_id` renders as the model wrote it (an id without
+`functions.` names its function too). The DeepSeek formats carry no id; one is made
+(`call_...`).
 
-The markers are tokens of its tokenizer (the bundled model has them too: see
-tools/add_special_tokens.py); the parser works on the decoded text, so it also reads a
+The markers are tokens of the model's tokenizer (the bundled model has DeepSeek-V3's too:
+see tools/add_special_tokens.py); the parser works on the decoded text, so it also reads a
 marker that arrives spelled out in several tokens. `ToolCallStream` reads the text as it
 streams: content until the calls begin (a possible partial marker held back), then for
 each call first its id and name, then its arguments in fragments as they arrive (a
-possible start of the closing fence held back), as OpenAI streams them. `parse` is the
+possible start of what closes them held back), as OpenAI streams them. `parse` is the
 same reader over a whole output, so a streamed answer and a whole one always agree.
 
-Text after `<｜tool▁calls▁end｜>` is dropped; a call whose header does not parse is
-skipped; an output cut short inside a call keeps what arrived of its arguments.
+Text after the end of the section is dropped; a call whose header does not parse is
+skipped up to its end marker; an output cut short inside a call keeps what arrived of its
+arguments.
 
 `tool_call_grammar` is the structural tag that makes the model's output a well-formed
 call when `tool_choice` is "required" or names a function (structured/ compiles it).
@@ -29,12 +46,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from xllm_py.entrypoints.reasoning import held_back
 from xllm_py.structured import json_schema_grammar
 
-PARSERS = ("deepseek_v3",)
+# DeepSeek-V3's markers (V3.1 keeps them)
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"
@@ -42,7 +60,64 @@ CALL_END = "<｜tool▁call▁end｜>"
 SEP = "<｜tool▁sep｜>"
 FENCE_OPEN = "```json\n"
 FENCE_CLOSE = "\n```"
-_HEADER = re.compile(r"([^<\n]*)" + re.escape(SEP) + r"([^\n]*)\n```(?:json)?\n")
+# Kimi-K2's
+KIMI_CALLS_BEGIN = "<|tool_calls_section_begin|>"
+KIMI_CALLS_END = "<|tool_calls_section_end|>"
+KIMI_CALL_BEGIN = "<|tool_call_begin|>"
+KIMI_CALL_END = "<|tool_call_end|>"
+KIMI_ARGS_BEGIN = "<|tool_call_argument_begin|>"
+_NAME = r"[\w.\-]+"  # a function's name: the API admits [A-Za-z0-9_.-] (openai_protocol.py)
+
+
+def _token(text: str) -> dict:
+    """A marker in the grammar: the token itself, not its spelling in pieces."""
+    return {"type": "token", "token": text}
+
+
+def _const(text: str) -> dict:
+    return {"type": "const_string", "value": text}
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """One model family's tool calls. `header` matches a call's start, from after its begin
+    marker up to its arguments, with a group "name" and optionally "id" (the call's id as
+    the model wrote it). It must match as soon as the whole header has arrived and then
+    never differently as more text comes (no greedy tail), so that streamed and whole
+    outputs read the same; a header without a match once the call ends is malformed."""
+
+    calls_begin: str
+    calls_end: str
+    call_begin: str
+    call_end: str
+    header: re.Pattern
+    grammar_header: Callable[[str], list[dict]]  # NAME -> what precedes the arguments
+    args_end: str = ""  # between the arguments and call_end, not part of them
+    separator: str = ""  # between calls, in the grammar (the reader skips whitespace)
+
+
+FORMATS = {
+    "deepseek_v3": ToolCallFormat(
+        CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END,
+        re.compile(r"[^<\n]*" + re.escape(SEP) + r"(?P<name>[^\n]*)\n```(?:json)?\n"),
+        lambda name: [_const("function"), _token(SEP), _const(name + "\n" + FENCE_OPEN)],
+        args_end=FENCE_CLOSE, separator="\n",
+    ),
+    "deepseek_v31": ToolCallFormat(
+        CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END,
+        re.compile(r"\s*(?P<name>" + _NAME + r")\s*" + re.escape(SEP)),
+        lambda name: [_const(name), _token(SEP)],
+    ),
+    "kimi_k2": ToolCallFormat(
+        KIMI_CALLS_BEGIN, KIMI_CALLS_END, KIMI_CALL_BEGIN, KIMI_CALL_END,
+        re.compile(r"\s*(?P<id>(?:functions\.)?(?P<name>" + _NAME + r"):\d+)\s*"
+                   + re.escape(KIMI_ARGS_BEGIN)),
+        # IDX counts the calls of the conversation; four digits bound a runaway
+        lambda name: [_const(f"functions.{name}:"), {"type": "regex", "pattern": "[0-9]{1,4}"},
+                      _token(KIMI_ARGS_BEGIN)],
+    ),
+}  # fmt: skip
+PARSERS = tuple(FORMATS)
 
 
 def new_call_id() -> str:
@@ -68,9 +143,10 @@ class ToolCallStream:
     """Reads one choice's streamed text; `feed` returns OpenAI delta fields for it."""
 
     parallel: bool = True  # False: only the first call is kept (parallel_tool_calls=false)
+    fmt: ToolCallFormat = FORMATS["deepseek_v3"]
     text: str = ""
     pos: int = 0  # text before pos is handled
-    state: str = "content"  # content | calls | header | arguments | done
+    state: str = "content"  # content | calls | header | arguments | skip | done
     calls: list[ToolCall] = field(default_factory=list)
     sent_args: int = 0  # characters of the current call's arguments already handed out
 
@@ -99,48 +175,50 @@ class ToolCallStream:
 
     def _content(self, rest: str, final: bool, content: list[str]) -> bool:
         """Text before the calls begin (a possible partial marker held back)."""
-        i = rest.find(CALLS_BEGIN)
+        begin = self.fmt.calls_begin
+        i = rest.find(begin)
         if i >= 0:
             content.append(rest[:i])
-            self.pos += i + len(CALLS_BEGIN)
+            self.pos += i + len(begin)
             self.state = "calls"
             return True
-        keep = 0 if final else held_back(rest, CALLS_BEGIN)
+        keep = 0 if final else held_back(rest, begin)
         content.append(rest[: len(rest) - keep])
         self.pos += len(rest) - keep
         return False
 
     def _between_calls(self, rest: str, final: bool) -> bool:
         """After the calls began or a call ended: the next call, or the end of the calls."""
-        stripped = rest.lstrip("\n")
-        if stripped.startswith(CALL_BEGIN):
-            self.pos += len(rest) - len(stripped) + len(CALL_BEGIN)
+        begin, end = self.fmt.call_begin, self.fmt.calls_end
+        stripped = rest.lstrip()
+        if stripped.startswith(begin):
+            self.pos += len(rest) - len(stripped) + len(begin)
             self.state = "header"
             return True
-        if stripped.startswith(CALLS_END) or (
-            final or not (CALL_BEGIN.startswith(stripped) or CALLS_END.startswith(stripped))
+        if stripped.startswith(end) or (
+            final or not (begin.startswith(stripped) or end.startswith(stripped))
         ):
             self.state = "done"  # the calls ended (or something else began)
         return False
 
     def _header(self, rest: str, final: bool, calls: list[dict]) -> bool:
-        """`function<sep>NAME` and the opening fence: a new call (or one skipped)."""
-        m = _HEADER.match(rest)
+        """The call's header: a new call (or one skipped)."""
+        m = self.fmt.header.match(rest)
         if m:
             self.pos += m.end()
             if not (self.parallel or not self.calls):
                 self.state = "skip"
                 return True
-            call = ToolCall(new_call_id(), m.group(2).strip())
+            call = ToolCall(m.groupdict().get("id") or new_call_id(), m.group("name").strip())
             self.calls.append(call)
             function = {"name": call.name, "arguments": ""}
             index = len(self.calls) - 1
             calls.append({"index": index, "id": call.id, "type": "function", "function": function})
             self.state, self.sent_args = "arguments", 0
             return True
-        end = rest.find(CALL_END)
+        end = rest.find(self.fmt.call_end)
         if end >= 0:  # a call whose header does not parse: skipped
-            self.pos += end + len(CALL_END)
+            self.pos += end + len(self.fmt.call_end)
             self.state = "calls"
             return True
         if final:
@@ -148,16 +226,17 @@ class ToolCallStream:
         return False
 
     def _arguments(self, rest: str, final: bool, calls: list[dict]) -> bool:
-        """The current call's arguments as they arrive (a possible start of the closing
-        fence held back); in state "skip" (a call not kept) they are read and dropped."""
-        end = rest.find(CALL_END)
+        """The current call's arguments as they arrive (a possible start of what closes
+        them held back); in state "skip" (a call not kept) they are read and dropped."""
+        close, call_end = self.fmt.args_end, self.fmt.call_end
+        end = rest.find(call_end)
         if end >= 0:
             args = rest[:end]
-            if args.endswith(FENCE_CLOSE):
-                args = args[: -len(FENCE_CLOSE)]
-            self.pos += end + len(CALL_END)
+            if close and args.endswith(close):
+                args = args[: -len(close)]
+            self.pos += end + len(call_end)
         else:
-            keep = 0 if final else held_back(rest, FENCE_CLOSE + CALL_END)
+            keep = 0 if final else held_back(rest, close + call_end)
             args = rest[: len(rest) - keep]
         if self.state == "arguments" and len(args) > self.sent_args:
             fragment = args[self.sent_args :]
@@ -184,48 +263,55 @@ def _merge(deltas: list[dict]) -> list[dict]:
     return out
 
 
-def parse(text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+def stream_for(parser: str, parallel: bool = True) -> ToolCallStream:
+    """The reader of `parser`'s format (a name in PARSERS: --tool_call_parser)."""
+    return ToolCallStream(parallel, FORMATS[parser])
+
+
+def parse(
+    text: str, parallel: bool = True, parser: str = "deepseek_v3"
+) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole output; content None when there is none."""
-    stream = ToolCallStream(parallel=parallel)
+    stream = stream_for(parser, parallel)
     content = stream.feed(text, final=True).get("content")
     return content, stream.calls
 
 
-def tool_call_grammar(tools: list[dict], only: str | None, parallel: bool) -> str:
-    """xgrammar structural tag (JSON text): the output is `<｜tool▁calls▁begin｜>`, one
-    or more calls (only to `only` when a function is named, just one when not
-    `parallel` or when named), each to a declared function with arguments that follow
-    its `parameters` schema, and `<｜tool▁calls▁end｜>`. The markers must be the tokens
-    themselves, not their spelling in pieces."""
-
-    def token(text: str) -> dict:
-        return {"type": "token", "token": text}
+def tool_call_grammar(
+    tools: list[dict], only: str | None, parallel: bool, parser: str = "deepseek_v3"
+) -> str:
+    """xgrammar structural tag (JSON text): the output is a section of calls in `parser`'s
+    format, one or more calls (only to `only` when a function is named, just one when
+    not `parallel` or when named), each to a declared function with arguments that follow
+    its `parameters` schema. The markers must be the tokens themselves, not their
+    spelling in pieces (a tokenizer without them cannot compile it)."""
+    fmt = FORMATS[parser]
 
     def call(fn: dict) -> dict:
         schema = fn.get("parameters") or {"type": "object", "properties": {}}
+        arguments = {"type": "grammar", "grammar": json_schema_grammar(json.dumps(schema), True)}
+        elements = [*fmt.grammar_header(fn["name"]), arguments]
+        if fmt.args_end:
+            elements.append(_const(fmt.args_end))
         return {
             "type": "tag",
-            "begin": token(CALL_BEGIN),
-            "content": {
-                "type": "sequence",
-                "elements": [
-                    {"type": "const_string", "value": "function"},
-                    token(SEP),
-                    {"type": "const_string", "value": fn["name"] + "\n" + FENCE_OPEN},
-                    {"type": "grammar", "grammar": json_schema_grammar(json.dumps(schema), True)},
-                    {"type": "const_string", "value": FENCE_CLOSE},
-                ],
-            },
-            "end": token(CALL_END),
+            "begin": _token(fmt.call_begin),
+            "content": {"type": "sequence", "elements": elements},
+            "end": _token(fmt.call_end),
         }
 
     fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     body = {
         "type": "tags_with_separator",
         "tags": [call(fn) for fn in fns],
-        "separator": "\n",
+        "separator": fmt.separator,
         "at_least_one": True,
         "stop_after_first": only is not None or not parallel,
     }
-    fmt = {"type": "tag", "begin": token(CALLS_BEGIN), "content": body, "end": token(CALLS_END)}
-    return json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
+    section = {
+        "type": "tag",
+        "begin": _token(fmt.calls_begin),
+        "content": body,
+        "end": _token(fmt.calls_end),
+    }
+    return json.dumps({"type": "structural_tag", "format": section}, ensure_ascii=False)
