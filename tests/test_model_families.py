@@ -43,6 +43,7 @@ from xllm_py.weights.fp8 import quantize
 QUESTIONS = ["How do I bake bread?", "Write a haiku about the sea.", "What is a prime number?"]
 CONFIG = "qlora_yarn_allmoe"  # q-LoRA, grouped noaux_tc routing, YaRN: V3.1's architecture
 BLOCK = (32, 32)  # the tiny dims leave partial edge blocks
+MTP_RUN = SamplingParams(max_tokens=24, temperature=0.0)
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
@@ -116,23 +117,23 @@ def test_v31_fp8_checkpoint_decodes_as_hf_on_its_dequantised_weights(v31, tmp_pa
         assert max(abs(a - b) for a, b in zip(lps, want_lps)) <= 1e-4, f"prompt {i}"
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_mtp_is_lossless_on_the_bundled_model_quantised_to_ue8m0(tmp_path_factory, k):
-    """The bundled trained model (its MTP layer accepts most drafts) in V3.1's FP8 layout:
-    the FP8 MTP layer loads, drafts are accepted, and the tokens are plain decoding's."""
-    path = tmp_path_factory.getbasetemp() / "bundled-ue8m0"
-    if not path.exists():
-        quantize_dir(BUNDLED_MODEL_DIR, path, "ue8m0")
+@pytest.fixture(scope="module")
+def bundled_ue8m0(tmp_path_factory) -> tuple[Path, list[str], list[list[int]]]:
+    """The bundled trained model (its MTP layer accepts most drafts) in V3.1's FP8 layout,
+    prompts, and their plain greedy tokens."""
+    path = quantize_dir(BUNDLED_MODEL_DIR, tmp_path_factory.mktemp("bundled") / "ue8m0", "ue8m0")
     prompts = [f"<|bos|><|user|>\n{q}\n<|assistant|>\n" for q in QUESTIONS]
-    params = SamplingParams(max_tokens=24, temperature=0.0)
+    llm = LLM(model=str(path), dtype="float32", block_size=16)
+    return path, prompts, [list(o.outputs[0].token_ids) for o in llm.generate(prompts, MTP_RUN)]
 
-    def run(**kw):
-        llm = LLM(model=str(path), dtype="float32", block_size=16, **kw)
-        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)], llm
 
-    plain, _ = run()
-    got, spec = run(num_speculative_tokens=k, speculative_confidence="off")
-    assert got == plain
+@pytest.mark.parametrize("k", [1, 2])
+def test_mtp_is_lossless_on_the_bundled_model_quantised_to_ue8m0(bundled_ue8m0, k):
+    """The FP8 MTP layer loads, drafts are accepted, and the tokens are plain decoding's."""
+    path, prompts, plain = bundled_ue8m0
+    spec = LLM(model=str(path), dtype="float32", block_size=16, num_speculative_tokens=k,
+               speculative_confidence="off")  # fmt: skip
+    assert [list(o.outputs[0].token_ids) for o in spec.generate(prompts, MTP_RUN)] == plain
     assert spec.get_metrics().accepted_tokens > 0
 
 
