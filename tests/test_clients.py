@@ -59,16 +59,23 @@ def run_guidellm(url: str, request_format: str, out: Path) -> list[dict]:
 
 @pytest.mark.parametrize("request_format", ["/v1/completions", "/v1/chat/completions"])
 def test_guidellm_runs_without_errors(server, tmp_path, request_format):
+    before = server.metric("xllm:request_success_total")
     benchmarks = run_guidellm(server.url, request_format, tmp_path / "guidellm.json")
     assert len(benchmarks) == 2
+    succeeded = 0
     for b in benchmarks:
         totals = b["metrics"]["request_totals"]
         assert totals["errored"] == 0 and totals["incomplete"] == 0, totals
-        assert totals["successful"] == REQUESTS
+        # guidellm's max_requests constraint may cancel a queued request before it is sent
+        # (seen at concurrency 4 on a loaded machine: 3 of 4): such a request is counted
+        # nowhere, so the count is at most REQUESTS, and every request sent succeeded.
+        assert 1 <= totals["successful"] <= REQUESTS, totals
+        succeeded += totals["successful"]
         done = b["requests"]["successful"]
+        assert len(done) == totals["successful"]
         assert all(r["output_tokens"] == TOKENS for r in done)  # ignore_eos was honoured
         assert b["metrics"]["output_tokens_per_second"]["successful"]["mean"] > 0
-    assert server.metric("xllm:request_success_total") >= 2 * REQUESTS
+    assert server.metric("xllm:request_success_total") - before >= succeeded
 
 
 def test_openai_client_with_the_fields_chat_front_ends_send(server):
