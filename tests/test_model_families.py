@@ -90,6 +90,23 @@ def dequantised_dir(src: Path, dst: Path) -> Path:
     return dst
 
 
+def decodes_as_hf(model: Path, plain: Path, config: str) -> None:
+    """`model` decodes `config`'s reference prompts greedily as HF does on `plain` (the
+    same weights, dequantised by the test): tokens equal, logprobs within 1e-4, with HF's
+    choices decisive on these weights."""
+    prompts = reference_prompts(config)
+    ref = hf_greedy_detailed(plain, prompts, MAX_NEW_TOKENS)
+    assert min(min(g) for g in ref["top1_top2_gaps"]) > 1e-3  # decisive on these weights
+    assert ref["min_router_margin"] > 1e-4
+    llm = LLM(model=str(model), device="cpu", dtype="float32", block_size=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    for i, (o, (want_tokens, want_lps)) in enumerate(zip(outs, ref["results"])):
+        out = o.outputs[0]
+        assert list(out.token_ids) == want_tokens, f"prompt {i}"
+        lps = [d[t] for d, t in zip(out.logprobs, out.token_ids)]
+        assert max(abs(a - b) for a, b in zip(lps, want_lps)) <= 1e-4, f"prompt {i}"
+
+
 @pytest.fixture(scope="module")
 def v31(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("v31")
@@ -104,17 +121,7 @@ def test_ue8m0_scales_are_powers_of_two_that_cover_each_block(v31):
 
 
 def test_v31_fp8_checkpoint_decodes_as_hf_on_its_dequantised_weights(v31, tmp_path):
-    prompts = reference_prompts(CONFIG)
-    ref = hf_greedy_detailed(dequantised_dir(v31, tmp_path / "plain"), prompts, MAX_NEW_TOKENS)
-    assert min(min(g) for g in ref["top1_top2_gaps"]) > 1e-3  # decisive on these weights
-    assert ref["min_router_margin"] > 1e-4
-    llm = LLM(model=str(v31), device="cpu", dtype="float32", block_size=16)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    for i, (o, (want_tokens, want_lps)) in enumerate(zip(outs, ref["results"])):
-        out = o.outputs[0]
-        assert list(out.token_ids) == want_tokens, f"prompt {i}"
-        lps = [d[t] for d, t in zip(out.logprobs, out.token_ids)]
-        assert max(abs(a - b) for a, b in zip(lps, want_lps)) <= 1e-4, f"prompt {i}"
+    decodes_as_hf(v31, dequantised_dir(v31, tmp_path / "plain"), CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -215,17 +222,7 @@ def test_int4_experts_are_packed_as_the_format_documents(kimi_int4):
 
 def test_int4_checkpoint_decodes_as_hf_on_its_dequantised_weights(kimi_int4):
     q, plain = kimi_int4
-    prompts = reference_prompts(KIMI)
-    ref = hf_greedy_detailed(plain, prompts, MAX_NEW_TOKENS)
-    assert min(min(g) for g in ref["top1_top2_gaps"]) > 1e-3  # decisive on these weights
-    assert ref["min_router_margin"] > 1e-4
-    llm = LLM(model=str(q), device="cpu", dtype="float32", block_size=16)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    for i, (o, (want_tokens, want_lps)) in enumerate(zip(outs, ref["results"])):
-        out = o.outputs[0]
-        assert list(out.token_ids) == want_tokens, f"prompt {i}"
-        lps = [d[t] for d, t in zip(out.logprobs, out.token_ids)]
-        assert max(abs(a - b) for a, b in zip(lps, want_lps)) <= 1e-4, f"prompt {i}"
+    decodes_as_hf(q, plain, KIMI)
 
 
 @pytest.mark.parametrize(
