@@ -268,6 +268,38 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
 }
 
+# DeepSeek-V3.2 (DeepseekV32ForCausalLM): V3 plus DSA's lightning indexer. With index_topk 16
+# the longer prompts attend sparsely (300 tokens: each query sees its best 16); with 1024 the
+# indexer selects every visible token and attention stays dense. 32 indexer heads keep
+# exact-zero index scores (all heads' relu at 0) rare, so the top-k cut is never a tie.
+_V32 = dict(
+    _COMMON,
+    _hf="v32",
+    _prompt_lengths=[5, 17, 40, 120, 300],
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
+    rope_parameters=dict(_YARN, factor=4.0, original_max_position_embeddings=128),
+    index_head_dim=16,
+    index_n_heads=32,
+)
+TINY_CONFIGS["v32_sparse"] = dict(_V32, index_topk=16)
+TINY_CONFIGS["v32_dense_topk"] = dict(_V32, index_topk=1024, _prompt_lengths=[5, 40, 120])
+
 # lm_head std = gain / sqrt(hidden) -> logits ~ N(0, gain^2): peaky next-token distributions.
 LM_HEAD_GAIN = 6.0
 
@@ -285,6 +317,8 @@ CHECKPOINT_SEEDS: dict[str, int] = {
     "v2_group_limited": 13,
     "moonlight_like": 1,
     "kimi_like": 0,
+    "v32_sparse": 4,
+    "v32_dense_topk": 0,
 }
 
 # Reference workload: prompt lengths straddle the 16-token block size (1, 16, 17) and exceed
@@ -302,9 +336,14 @@ def _quiet_transformers():
 
 
 def make_hf_checkpoint(
-    name: str, out_dir: Path, seed: int = 0, max_shard_size: str | int | None = None
+    name: str,
+    out_dir: Path,
+    seed: int = 0,
+    max_shard_size: str | int | None = None,
+    overrides: dict | None = None,
 ) -> Path:
-    """Build a random DeepseekV3ForCausalLM for TINY_CONFIGS[name]; save_pretrained it to out_dir.
+    """Build a random DeepseekV3ForCausalLM for TINY_CONFIGS[name] (with `overrides` of its
+    fields); save_pretrained it to out_dir.
 
     Same (name, seed) -> identical weights whatever max_shard_size ("20KB": index.json + shards).
     """
@@ -313,9 +352,10 @@ def make_hf_checkpoint(
     _quiet_transformers()
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
-    kwargs = dict(TINY_CONFIGS[name])
+    kwargs = dict(TINY_CONFIGS[name]) | (overrides or {})
     family, model_type = kwargs.pop("_hf", "v3"), kwargs.pop("_model_type", None)
-    prefix = {"v2": "DeepseekV2", "v3": "DeepseekV3"}[family]
+    kwargs.pop("_prompt_lengths", None)
+    prefix = {"v2": "DeepseekV2", "v3": "DeepseekV3", "v32": "DeepseekV32"}[family]
     config = getattr(transformers, f"{prefix}Config")(**kwargs)
     model = getattr(transformers, f"{prefix}ForCausalLM")(config).float().eval()
     gen = torch.Generator().manual_seed(seed)
@@ -349,7 +389,9 @@ def random_prompts(vocab_size: int, lengths: list[int], seed: int) -> list[list[
 
 
 def reference_prompts(name: str) -> list[list[int]]:
-    return random_prompts(TINY_CONFIGS[name]["vocab_size"], PROMPT_LENGTHS, PROMPT_SEED)
+    cfg = TINY_CONFIGS[name]
+    lengths = cfg.get("_prompt_lengths", PROMPT_LENGTHS)
+    return random_prompts(cfg["vocab_size"], lengths, PROMPT_SEED)
 
 
 def _router_margin_hook(margins: list[float]):
@@ -390,29 +432,17 @@ def hf_greedy_detailed(
     """Greedy-decode each prompt with HF. Returns {"results": as hf_greedy, "top1_top2_gaps": per
     prompt, the logit gap at every generated position, "min_router_margin": the smallest
     group/expert top-k margin over all prefill and decode tokens}."""
-    import transformers
     from transformers import GenerationConfig
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32TopkRouter
+
+    from tools.train_tiny_model import load_hf_model
 
     _quiet_transformers()
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    arch = raw["architectures"][0]
-    # HF maps per-expert tensor names onto its stacked experts by model_type: under Kimi's
-    # `kimi_k2` it would leave the experts at their random init, so it reads the config
-    # under its own architecture's model_type (the weights and config are unchanged).
-    raw.pop("model_type", None)
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict(raw)
-    model = (
-        getattr(transformers, arch)
-        .from_pretrained(
-            model_dir,
-            config=config,
-            dtype=dtype,
-            attn_implementation="eager",
-            experts_implementation="eager",
-        )
-        .eval()
+    # By the checkpoint's architecture, under its own model_type (tools/train_tiny_model.py)
+    model = load_hf_model(
+        model_dir, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
     )
     gcfg = GenerationConfig(
         do_sample=False,
@@ -427,7 +457,7 @@ def hf_greedy_detailed(
     handles = [
         m.register_forward_hook(_router_margin_hook(margins))
         for m in model.modules()
-        if isinstance(m, (DeepseekV2TopkRouter, DeepseekV3TopkRouter))
+        if isinstance(m, (DeepseekV2TopkRouter, DeepseekV3TopkRouter, DeepseekV32TopkRouter))
     ]
     results, gaps = [], []
     try:

@@ -47,6 +47,12 @@ PROMPTS = [  # 32 held-out ShareGPT first turns, in the bundled model's chat for
     f"<|bos|><|user|>\n{q}\n<|assistant|>\n" for q in held_out_user_turns(32, 20, 600)
 ]
 MAX_TOKENS = 24
+# Each node's KV cache: 128 blocks of 128 tokens (with MTP; more without), room for the 32
+# prompts at once or 8 streams of 1,500 tokens. Left to the engine, every node (and the
+# offline reference) would zero room for 256 full-length requests, 1.8 GB, at each start.
+KV_BLOCK_BYTES = 9 * 128 * 96 * 4  # layers (8 target + 1 MTP) x block_size x kv dim x fp32
+CACHE_BYTES = 128 * KV_BLOCK_BYTES
+CACHE = f"--max_cache_size={CACHE_BYTES}"
 # The product's promise: a node that dies is noticed within --heartbeat_timeout seconds.
 # Measured from the kill, the tests allow on top of it: the master's health checks come
 # every POLL_INTERVAL_S with a deadline of as much (a verdict up to two polls after the
@@ -241,7 +247,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def offline_greedy():
-    llm = LLM(dtype="float32")
+    llm = LLM(dtype="float32", max_cache_size=CACHE_BYTES)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     return [o.outputs[0].text for o in outs]
 
@@ -288,7 +294,8 @@ def test_two_node_greedy_equals_one_node(layout, k, offline_greedy):
     1 of the one replica); with MTP, each answer's usage.speculative (from whichever replica
     served it) adds up to the merged /metrics; SIGTERM on the master stops the worker too,
     both exit 0."""
-    with Cluster("--dtype=float32", f"--num_speculative_tokens={k}", layout=LAYOUTS[layout]) as c:
+    flags = ("--dtype=float32", CACHE, f"--num_speculative_tokens={k}")
+    with Cluster(*flags, layout=LAYOUTS[layout]) as c:
         c.wait_healthy()
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda p: completion(c.url, p), PROMPTS))
@@ -310,7 +317,7 @@ def test_two_node_greedy_equals_one_node(layout, k, offline_greedy):
 def test_two_node_graph_mode_equals_one_node(offline_greedy):
     """Graph mode on both ranks of a TP replica with partitioned experts (the "ep" layout:
     all-reduces of attention and MoE inside the graphs), MTP k = 1: the offline API's output."""
-    flags = ("--dtype=float32", "--num_speculative_tokens=1", "--enable_graph=true")
+    flags = ("--dtype=float32", CACHE, "--num_speculative_tokens=1", "--enable_graph=true")
     with Cluster(*flags, "--graph_batch_sizes", "4", layout=LAYOUTS["ep"]) as c:
         # both ranks compile 3 graphs first: over 400 s on a loaded 2-core machine
         c.wait_healthy(timeout=900)
@@ -326,7 +333,8 @@ def test_two_node_graph_mode_equals_one_node(offline_greedy):
 
 
 def test_worker_with_other_config_is_refused():
-    with Cluster("--dtype=float32", "--cluster_timeout=60", worker_flags=("--block_size=32",)) as c:
+    flags = ("--dtype=float32", CACHE, "--cluster_timeout=60")
+    with Cluster(*flags, worker_flags=("--block_size=32",)) as c:
         assert c.worker.wait(60) == 2
         out = c.worker.output()
         assert "registration refused" in out and "block_size: master 128, worker 32" in out
@@ -380,7 +388,7 @@ def test_worker_killed_mid_stream_fails_every_client():
     """Eight whole streams (1500 tokens: still running at the kill, by construction) over
     both replicas; the worker is killed: every client gets an error event and [DONE] within
     --heartbeat_timeout (+ margin), /health is not 200, the master exits 1."""
-    with Cluster("--dtype=float32", f"--heartbeat_timeout={HEARTBEAT_TIMEOUT_S:g}") as c:
+    with Cluster("--dtype=float32", CACHE, f"--heartbeat_timeout={HEARTBEAT_TIMEOUT_S:g}") as c:
         c.wait_healthy()
         started = concurrent.futures.Future()
         counter = []
@@ -413,7 +421,7 @@ def test_idle_node_killed_the_other_exits_nonzero(victim):
     """No request in flight: the master notices a dead worker by its health checks (503,
     exit 1); a worker notices a dead master by the silence (exit 1); either within
     --heartbeat_timeout (+ margin) of the kill."""
-    with Cluster("--dtype=float32", f"--heartbeat_timeout={HEARTBEAT_TIMEOUT_S:g}") as c:
+    with Cluster("--dtype=float32", CACHE, f"--heartbeat_timeout={HEARTBEAT_TIMEOUT_S:g}") as c:
         c.wait_healthy()
         killed = time.monotonic()
         if victim == "worker":
@@ -441,6 +449,7 @@ def test_rank_that_stops_participating_fails_the_cluster_within_the_heartbeat_ti
     process groups, and exits 1."""
     flags = (
         "--dtype=float32",
+        CACHE,
         f"--heartbeat_timeout={HEARTBEAT_TIMEOUT_S:g}",
         "--process_group_timeout=300",
     )
@@ -468,7 +477,7 @@ def test_replica_allocates_the_smallest_capacity_its_ranks_measured():
     """Two-phase start-up: each rank reports the KV blocks that fit after loading (here the
     worker is given a smaller --max_cache_size than the master), the replica allocates the
     minimum on both ranks and serves."""
-    per_block = 9 * 128 * 96 * 4  # layers (8 target + 1 MTP) x block_size x kv dim x fp32
+    per_block = KV_BLOCK_BYTES
     flags = ("--dtype=float32", "--num_speculative_tokens=1", f"--max_cache_size={40 * per_block}")
     worker = (f"--max_cache_size={25 * per_block}",)
     with Cluster(*flags, worker_flags=worker, layout=LAYOUTS["tp"]) as c:

@@ -108,7 +108,7 @@ def test_weight_dtype_errors_name_the_values(ckpt):
         LLM(model=str(ckpt), dtype="float32", weight_dtype="bf16")
     with pytest.raises(ValueError, match="weight_dtype=fp8 with enable_graph=True"):
         LLM(model=str(ckpt), weight_dtype="fp8", enable_graph=True)
-    with pytest.raises(ValueError, match="weight_dtype='int4' must be"):
+    with pytest.raises(ValueError, match="weight_dtype=int4: the checkpoint has no INT4"):
         LLM(model=str(ckpt), weight_dtype="int4")
 
 

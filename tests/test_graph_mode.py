@@ -2,25 +2,43 @@
 steps run as compiled graphs with `fullgraph=True`, so a graph break (a host sync, a
 data-dependent Python branch) fails the engine's start here. With graphs on, greedy tokens
 equal eager decoding's and logprobs agree within 1e-5, for plain decoding and with MTP
-drafts, on batches that need padding (3 and 1 requests in a bucket of 4)."""
+drafts, on batches that need padding (3 and 1 requests in a bucket of 4); with MTP drafts
+sampled from the draft's distribution, the sampled tokens keep plain eager decoding's
+distribution (tests/test_spec_sampling_distribution.py's comparison).
+
+Compiling is most of this file's time, so the k = 2 engine is compiled once, for its
+greedy and its sampled test; plain decoding (k = 0) is compiled once, by the background
+warm-up test, which holds the same exactness bar once its graphs are in."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import tests.test_spec_sampling_distribution as dist
 from tests.test_bundled_model import held_out_user_turns
 from xllm_py import LLM, SamplingParams
 
 # Different lengths: the batch shrinks from 3 to 1 as requests finish.
 PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=0) for n in (24, 12, 6)]
-OPTIONS = dict(dtype="float32", block_size=16, max_model_len=512)
+# The one batch size compiled: single-row steps take the MoE's gathered form in the graph
+# (8 expert assignments, models/layers/moe.py), verification steps the grouped one; the
+# sampled test's requests come in waves of this size.
+BUCKET = 4
+# At most BUCKET requests per step, so on CPU every engine here sizes its KV cache for that
+# many full-length requests, 128 blocks (by default it would zero room for 256).
+OPTIONS = dict(dtype="float32", block_size=16, max_model_len=512, max_seqs_per_batch=BUCKET)
+K = 2  # draft tokens of the MTP engine
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    llm = LLM(**OPTIONS)
-    tok = llm.get_tokenizer()
+def eager_llm():
+    return LLM(**OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def prompts(eager_llm):
+    tok = eager_llm.get_tokenizer()
     return [
         tok.apply_chat_template([{"role": "user", "content": t}]) for t in held_out_user_turns(3)
     ]
@@ -34,50 +52,114 @@ def decode(llm, prompts):
 
 
 @pytest.fixture(scope="module")
-def eager(prompts):
-    return decode(LLM(**OPTIONS), prompts)
+def eager(eager_llm, prompts):
+    return decode(eager_llm, prompts)
 
 
-@pytest.mark.parametrize("k", [0, 2])
-def test_graph_mode_gives_eager_tokens_and_logprobs(prompts, eager, k):
+@pytest.fixture(scope="module")
+def mtp_graphs():
+    """Graph mode with MTP k = 2 in one bucket of 4 requests (compiled at start-up, the
+    offline default), and the graph breaks dynamo counted while compiling. Every step
+    drafts k (confidence scheduling off: its draft lengths follow the measured step
+    costs, so which graph a step takes would depend on the machine's load)."""
     torch._dynamo.utils.counters.clear()
-    llm = LLM(enable_graph=True, graph_batch_sizes=[4], num_speculative_tokens=k, **OPTIONS)
+    llm = LLM(
+        enable_graph=True,
+        graph_batch_sizes=[BUCKET],
+        num_speculative_tokens=K,
+        speculative_confidence="off",
+        seed=31,
+        **OPTIONS,
+    )
+    return llm, dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def decode_counting_eager_steps(llm, prompts):
+    """decode(), and the steps that ran eager meanwhile."""
     runner = llm.engine.core.executor.worker.runner
-    assert runner.graphs is not None and not torch._dynamo.utils.counters["graph_break"]
     eager_steps = []
     inner = runner._forward
     runner._forward = lambda *args: eager_steps.append(args) or inner(*args)
-    tokens, logprobs = decode(llm, prompts)
-    assert tokens == eager[0]
-    for got, want in zip(logprobs, eager[1]):
-        assert got == pytest.approx(want, abs=1e-5)
-    # Only the prefill ran eager; every later step in a graph: decode steps (k = 0), or
-    # verification of up to k drafts (k = 2; fewer as max_tokens nears, padded in the graph)
+    try:
+        return decode(llm, prompts), eager_steps
+    finally:
+        del runner._forward  # the method again
+
+
+def steps_in(graphs) -> int:
+    """Steps run in `graphs` (a GraphRunner) so far, over all its buckets."""
+    return sum(graphs.steps.values())
+
+
+def assert_eager_results(got, want):
+    assert got[0] == want[0]
+    for lp, eager_lp in zip(got[1], want[1]):
+        assert lp == pytest.approx(eager_lp, abs=1e-5)
+
+
+def test_graph_mode_with_mtp_gives_eager_tokens_and_logprobs(prompts, eager, mtp_graphs):
+    llm, graph_breaks = mtp_graphs
+    runner = llm.engine.core.executor.worker.runner
+    assert runner.graphs is not None and not graph_breaks
+    target, mtp = steps_in(runner.graphs), steps_in(runner.proposer.graphs[0])
+    got, eager_steps = decode_counting_eager_steps(llm, prompts)
+    assert_eager_results(got, eager)
+    # Only the prefill ran eager; every later step in a graph: verification of up to
+    # k = 2 drafts (fewer as max_tokens nears, padded in the graph), and after each, the
+    # MTP passes over the verified rows and the chained drafts
     assert len(eager_steps) == 1
-    graph_steps = sum(runner.graphs.steps.values())
-    assert graph_steps >= (max(p.max_tokens for p in PARAMS) - 1) // (1 + k)
-    if k:  # and after each, the MTP passes over the verified rows and the chained drafts
-        assert sum(runner.proposer.graphs[0].steps.values()) >= 2 * graph_steps
+    graph_steps = steps_in(runner.graphs) - target
+    assert graph_steps >= (max(p.max_tokens for p in PARAMS) - 1) // (1 + K)
+    assert steps_in(runner.proposer.graphs[0]) - mtp >= 2 * graph_steps
     blocks = llm.engine.core.blocks
     assert blocks.num_free_blocks == blocks.num_blocks
 
 
+def test_graph_mode_speculative_sampling_keeps_the_distribution(mtp_graphs):
+    """Verification and drafting in graphs, the drafts sampled from q: SAMPLES
+    continuations at temperature 1.2 with min-p 0.05 against plain eager decoding's
+    (test_spec_sampling_distribution.py's prompt, plain arm and chi-square test). Requests
+    come in waves of 4, the bucket (a step that admits a request mixes its prefill with the
+    others' verification, and runs eager); a wave's batch shrinks as its requests finish,
+    padded to the bucket."""
+    llm, _ = mtp_graphs
+    runner = llm.engine.core.executor.worker.runner
+    assert runner.draft_sampler is not None  # sampled drafts
+    setting, ids = "t1.2-minp0.05", dist.prompt_ids()
+    plain = dist.sample(ids, setting, 0, seed=1)[0]  # the plain arm of that file's tests
+    m0, key = llm.get_metrics(), (BUCKET, 1 + K)
+    target, mtp = runner.graphs.steps.get(key, 0), runner.proposer.graphs[0].steps.get(key, 0)
+    spec = dist.draw(llm, ids, setting, wave=BUCKET)
+    m = llm.get_metrics()
+    assert 0 < m.accepted_tokens - m0.accepted_tokens < m.draft_tokens - m0.draft_tokens
+    # verification and drafting ran in graphs in most waves (the last steps of a wave,
+    # where drafts are cut short by max_tokens, are not uniform and run eager)
+    waves = dist.SAMPLES // BUCKET
+    assert runner.graphs.steps.get(key, 0) - target > waves / 2
+    assert runner.proposer.graphs[0].steps.get(key, 0) - mtp > waves / 2
+    dist.assert_same_distribution(plain, spec, f"graph mode, k=2 vs plain, {setting}")
+
+
 def test_background_warm_up_serves_eager_at_once_then_swaps_the_graphs_in(prompts, eager):
-    """--graph_warm_up=background (the daemon's default): the engine answers while its
-    graphs compile on another thread (eager's tokens meanwhile, no step waits for the
-    compiler), and once they are compiled the decode steps run in them."""
-    llm = LLM(enable_graph=True, graph_batch_sizes=[4], graph_warm_up="background", **OPTIONS)
+    """--graph_warm_up=background (the daemon's default), plain decoding: the engine answers
+    while its graphs compile on another thread (eager's tokens meanwhile, no step waits for
+    the compiler), and once they are compiled every step after the prefill runs in them,
+    with eager's tokens and logprobs within 1e-5."""
+    torch._dynamo.utils.counters.clear()
+    llm = LLM(enable_graph=True, graph_batch_sizes=[BUCKET], graph_warm_up="background", **OPTIONS)
     worker = llm.engine.core.executor.worker
     graphs = worker.runner.graphs
     assert decode(llm, prompts)[0] == eager[0]  # while compiling (or just after)
     worker._compiler.join(900)
     assert graphs.warm and graphs.fast_guards
-    before = sum(graphs.steps.values())
-    tokens, logprobs = decode(llm, prompts)
-    assert tokens == eager[0]
-    for got, want in zip(logprobs, eager[1]):
-        assert got == pytest.approx(want, abs=1e-5)
-    assert sum(graphs.steps.values()) - before >= max(p.max_tokens for p in PARAMS) - 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    before = steps_in(graphs)
+    got, eager_steps = decode_counting_eager_steps(llm, prompts)
+    assert_eager_results(got, eager)
+    assert len(eager_steps) == 1  # the prefill; every decode step in a graph
+    assert steps_in(graphs) - before >= max(p.max_tokens for p in PARAMS) - 1
+    blocks = llm.engine.core.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks
 
 
 def test_graph_mode_flags_are_checked():

@@ -230,9 +230,10 @@ def test_int4_checkpoint_decodes_as_hf_on_its_dequantised_weights(kimi_int4):
     [
         (lambda c: c["config_groups"]["group_0"]["weights"].update(num_bits=8), "num_bits=8"),
         (lambda c: c["config_groups"]["group_0"]["weights"].update(symmetric=False), "symmetric"),
-        (lambda c: c.update(format="float-quantized"), "format='float-quantized'"),
+        (lambda c: c.update(format="float-quantized"), "num_bits=4 is not supported; need 8"),
+        (lambda c: c.update(format="int-quantized"), "format='int-quantized'"),
     ],
-    ids=["int8", "asymmetric", "fp8-block"],
+    ids=["int8", "asymmetric", "fp8-block-with-int4-weights", "int8-format"],
 )
 def test_an_int4_scheme_this_engine_does_not_read_is_refused_naming_it(
     kimi_int4, tmp_path, change, message

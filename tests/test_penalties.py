@@ -66,9 +66,16 @@ def test_logit_adjust_matches_the_definitions():
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    llm = LLM(dtype="float32")
-    tok = llm.get_tokenizer()
+def engines():
+    # a 64 MiB KV cache, 150 blocks: over twice what the 32 prompts hold (left to the
+    # engine, each would zero room for 32 full-length requests)
+    return {k: LLM(dtype="float32", num_speculative_tokens=k, max_seqs_per_batch=NUM_PROMPTS,
+                   max_cache_size=64 << 20) for k in (0, 1, 3)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prompts(engines):
+    tok = engines[0].get_tokenizer()
     return [tok.apply_chat_template([{"role": "user", "content": p}])
             for p in held_out_user_turns(NUM_PROMPTS)]  # fmt: skip
 
@@ -79,15 +86,14 @@ def _tokens(llm, prompts, **kw):
 
 
 @pytest.fixture(scope="module")
-def engines():
-    return {k: LLM(dtype="float32", num_speculative_tokens=k, max_seqs_per_batch=32)
-            for k in (0, 1, 3)}  # fmt: skip
+def unpenalised(engines, prompts):
+    return _tokens(engines[0], prompts)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_greedy_with_penalties_is_identical_for_k_0_1_3(engines, prompts, case):
+def test_greedy_with_penalties_is_identical_for_k_0_1_3(engines, prompts, unpenalised, case):
     plain = _tokens(engines[0], prompts, **CASES[case])
-    assert plain != _tokens(engines[0], prompts), "the penalty changed nothing"
+    assert plain != unpenalised, "the penalty changed nothing"
     for k in (1, 3):
         assert _tokens(engines[k], prompts, **CASES[case]) == plain, f"k={k}"
     stats = engines[3].get_metrics()

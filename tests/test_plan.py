@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from tools.make_header_checkpoint import family_config, make_header_checkpoint
 from xllm_py.assets import bundled_model
-from xllm_py.plan import GIB, main, make_plan
+from xllm_py.plan import GIB, format_plan, main, make_plan
 from xllm_py.weights.loader import tensor_files
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +85,7 @@ FAMILY_TOTALS = {
     "moonlight-16b-a3b": (16e9, None),
     "kimi-k2": (1.03e12, 32e9),
     "kimi-k2-thinking": (1.03e12, 32e9),  # INT4 experts: counted as values, not words
+    "deepseek-v3.2": (671e9, 37e9),  # V3.2-Exp's card: 685 B with its MTP layer, as V3
 }
 
 
@@ -102,15 +103,16 @@ def test_other_family_replicas_match_their_published_counts(family, tmp_path):
 
 
 def test_int4_experts_are_priced_as_the_engine_holds_them(tmp_path):
-    """Kimi-K2-Thinking's INT4 experts are dequantised at load (keeping them packed is not
-    written): priced at bf16, twice Kimi-K2's FP8 experts, not at their 4-bit size."""
+    """Kimi-K2-Thinking's INT4 experts stay packed (`auto` is int4 for an INT4 checkpoint,
+    as on CUDA): priced at their int32 words and bf16 group scales, 0.5625 bytes a value,
+    a little over half Kimi-K2's FP8 experts with their block scales."""
     plans = {}
     for family in ("kimi-k2", "kimi-k2-thinking"):
         path = make_header_checkpoint(tmp_path / family, shards=4, config=family_config(family))
         plans[family] = make_plan(path, 8, tp=8, ep=8, num_speculative_tokens=0)
     fp8, int4 = (plans[f].rank_bytes("experts") for f in ("kimi-k2", "kimi-k2-thinking"))
-    assert plans["kimi-k2-thinking"].opts.weight_dtype == "bf16"
-    assert 1.95 < int4 / fp8 < 2.0  # bf16 vs FP8 + its block scales
+    assert plans["kimi-k2-thinking"].opts.weight_dtype == "int4"
+    assert 0.55 < int4 / fp8 < 0.58  # 0.5625 vs 1 + 4 / 128**2 bytes a value
 
 
 def _split_ways(name: str, tp: int, ep: int) -> int:
@@ -260,3 +262,14 @@ def test_bundled_model_plan_equals_the_loaded_model():
     )
     # and the header totals are the checkpoint's element count, read here with safetensors
     assert t["stored"] == sum(math.prod(s) for _, s in _headers(Path(bundled_model())).values())
+
+
+def test_v32_prices_the_indexer_cache_beside_the_mla_cache(tmp_path):
+    """DeepSeek-V3.2's indexer keeps one 128-wide key per token and layer beside the MLA
+    latent (512) and roped key (64): the plan shows each and counts them all."""
+    path = make_header_checkpoint(tmp_path, shards=4, config=family_config("deepseek-v3.2"))
+    plan = make_plan(path, 8, tp=8, ep=8, device_memory_gb=141)
+    assert plan.kv_parts == {"latent": 512, "roped key": 64, "indexer key": 128}
+    assert plan.kv_bytes_per_token == plan.cache_layers * (512 + 64 + 128) * 2
+    text = format_plan(plan)
+    assert f"indexer key  {plan.cache_layers * 128 * 2:,} B a token" in text

@@ -177,10 +177,10 @@ def test_node_command_lines_carry_no_secret(tmp_path):
 
 @pytest.fixture(scope="module")
 def one_node_greedy():
-    from tests.test_cluster import MAX_TOKENS
+    from tests.test_cluster import CACHE_BYTES, MAX_TOKENS
     from xllm_py import LLM, SamplingParams
 
-    llm = LLM(dtype="float32")
+    llm = LLM(dtype="float32", max_cache_size=CACHE_BYTES)
     outs = llm.generate(PROMPTS[:NUM_PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     return [o.outputs[0].text for o in outs]
 

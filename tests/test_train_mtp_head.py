@@ -6,12 +6,14 @@ MTP layer is refused unless --force."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.hf_reference import make_hf_checkpoint
 from tools.distill_mtp import chain_mask
 from tools.train_mtp_head import check_target, init_mtp, main, strip_mtp
 from xllm_py import LLM, SamplingParams
@@ -166,3 +168,26 @@ def test_chained_fine_tuning_of_the_checkpoint_layer_serves_losslessly(tmp_path,
     assert (tmp_path / "chained.work" / "sampled.npy").is_file()
     base = greedy_tokens(model=str(BUNDLED), num_speculative_tokens=0)
     assert greedy_tokens(model=str(copy), num_speculative_tokens=2) == base
+
+
+@pytest.mark.parametrize("family", ["v2lite_softmax_greedy", "kimi_like"])
+def test_a_v2_or_kimi_checkpoint_gets_a_head_the_engine_serves_losslessly(family, tmp_path, capsys):
+    """The families without an MTP layer: a DeepseekV2ForCausalLM (its own decoder layer
+    and softmax routing) and Kimi-K2's `model_type: kimi_k2` (read by HF under V3's, or
+    its experts would stay random) train a head through the same tool."""
+    vocab = json.loads((BUNDLED / "config.json").read_text())["vocab_size"]
+    target = make_hf_checkpoint(family, tmp_path / "target", seed=0, overrides={
+        "vocab_size": vocab})  # fmt: skip
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED / name, target / name)
+    copy = tmp_path / "copy"
+    out = run_tool(
+        capsys, "--model", str(target), "--in-place-copy", str(copy),
+        "--work-dir", str(tmp_path / "work"), "--steps", "2", "--lr", "0.01",
+    )  # fmt: skip
+    assert "held-out top-1 agreement after 2 steps" in out
+    cfg = json.loads((copy / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1
+    assert cfg["architectures"] == json.loads((target / "config.json").read_text())["architectures"]
+    base = greedy_tokens(model=str(target))
+    assert greedy_tokens(model=str(copy), num_speculative_tokens=1) == base

@@ -4,13 +4,18 @@ engine and HF both load, logs held-out loss, and resumes where it stopped."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from xllm_py import LLM, SamplingParams
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "train_tiny_model.py"
+# a KV cache for a few short requests (left to the engine, it zeroes up to 1.8 GB)
+ENGINE = dict(dtype="float32", block_size=16, max_cache_size=16 << 20)
 
 
 def train(out: Path, steps: int) -> str:
@@ -41,9 +46,18 @@ def train(out: Path, steps: int) -> str:
     return r.stdout
 
 
-def test_train_tool_writes_a_loadable_checkpoint_and_resumes(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, str]:
+    """A checkpoint after 2 steps, and what the tool printed: the source of both tests
+    (each writes only into its own copy or output directory)."""
+    out = tmp_path_factory.mktemp("train") / "model"
+    return out, train(out, 2)
+
+
+def test_train_tool_writes_a_loadable_checkpoint_and_resumes(trained, tmp_path):
+    src, first = trained
     out = tmp_path / "model"
-    first = train(out, 2)
+    shutil.copytree(src, out)  # the whole output directory, its work/ state included
     assert "resuming at step 0" in first
     meta = json.loads((out / "training.json").read_text())
     assert meta["steps"] == 2 and [e["step"] for e in meta["log"]][:2] == [1, 2]
@@ -55,19 +69,18 @@ def test_train_tool_writes_a_loadable_checkpoint_and_resumes(tmp_path):
     assert cfg["num_nextn_predict_layers"] == 1
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert "chat_template" in tok_cfg
-    llm = LLM(model=str(out), dtype="float32", block_size=16)
+    llm = LLM(model=str(out), **ENGINE)
     text = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}])
     res = llm.generate(text, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(res[0].outputs[0].token_ids) == 4
 
 
-def test_distill_tool_changes_only_the_mtp_layer(tmp_path):
+def test_distill_tool_changes_only_the_mtp_layer(trained, tmp_path):
     """tools/distill_mtp.py at toy scale: the written checkpoint has new MTP tensors, every
     other tensor byte-identical, and serves the same greedy tokens with MTP on."""
     from safetensors.torch import load_file
 
-    src, out = tmp_path / "model", tmp_path / "distilled"
-    train(src, 2)
+    src, out = trained[0], tmp_path / "distilled"
     r = subprocess.run(
         [
             sys.executable,
@@ -113,6 +126,6 @@ def test_distill_tool_changes_only_the_mtp_layer(tmp_path):
     assert not any("embed_tokens" in n or "shared_head.head" in n for n in changed)
     prompt = {"prompt_token_ids": [0, 5, 9, 17, 33]}
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    base = LLM(model=str(src), dtype="float32", block_size=16).generate(prompt, greedy)
-    spec = LLM(model=str(out), dtype="float32", block_size=16, num_speculative_tokens=2)
+    base = LLM(model=str(src), **ENGINE).generate(prompt, greedy)
+    spec = LLM(model=str(out), num_speculative_tokens=2, **ENGINE)
     assert spec.generate(prompt, greedy)[0].outputs[0].token_ids == base[0].outputs[0].token_ids

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from tools.eval_mtp_agreement import load_mtp  # noqa: E402
 from tools.train_tiny_model import (  # noqa: E402
+    load_hf_model,
     mtp_checkpoint_tensors,
     split_conversations,
     tokenize_stream,
@@ -352,9 +353,7 @@ def main() -> None:
         eval_prompts=args.eval_prompts,
     )
 
-    from transformers import DeepseekV3ForCausalLM
-
-    model = DeepseekV3ForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model = load_hf_model(args.model)
     model.requires_grad_(False)
     cfg = model.config
     mtp = load_mtp(args.model, cfg).train()

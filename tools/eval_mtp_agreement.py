@@ -39,7 +39,7 @@ from safetensors import safe_open
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tools.train_tiny_model import MTPLayer  # noqa: E402
+from tools.train_tiny_model import MTPLayer, load_hf_model  # noqa: E402
 from xllm_py.sharegpt import held_out_user_turns  # noqa: E402
 from xllm_py.weights.loader import tensor_files  # noqa: E402
 
@@ -79,11 +79,10 @@ def load_mtp(model_dir: Path, cfg) -> MTPLayer:
 @torch.inference_mode()
 def evaluate(model_dir: Path, n_prompts: int, new_tokens: int, show: int, depth: int = 1) -> dict:
     from tokenizers import Tokenizer
-    from transformers import DeepseekV3ForCausalLM
 
     from tools.distill_mtp import agreement_on
 
-    model = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_hf_model(model_dir)
     cfg = model.config
     mtp = load_mtp(model_dir, cfg)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

@@ -151,6 +151,10 @@ FAMILIES: dict[str, dict] = {
                              beta_slow=1.0),
         "quantization_config": quantization_config(32),  # INT4 routed experts, the rest BF16
     },
+    "deepseek-v3.2": {  # V3.2-Exp: V3 plus DSA's lightning indexer in every layer
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+        "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
+    },
     "kimi-k2": {
         "model_type": "kimi_k2", "num_attention_heads": 64, "num_key_value_heads": 64,
         "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
@@ -214,6 +218,13 @@ def _layer(cfg: dict, i: int, block):
     kv_b_out = heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])
     yield from _fp8(f"{a}.kv_b_proj.weight", kv_b_out, kv_rank, block)
     yield from _fp8(f"{a}.o_proj.weight", h, heads * cfg["v_head_dim"], block)
+    if cfg.get("index_topk"):  # DeepSeek-V3.2's lightning indexer
+        ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
+        yield from _fp8(f"{a}.indexer.wq_b.weight", ih * idim, q_rank, block)
+        yield from _fp8(f"{a}.indexer.wk.weight", idim, h, block)
+        yield f"{a}.indexer.k_norm.weight", "BF16", [idim]
+        yield f"{a}.indexer.k_norm.bias", "BF16", [idim]
+        yield f"{a}.indexer.weights_proj.weight", "BF16", [ih, h]
     if i < cfg["first_k_dense_replace"] or i % cfg["moe_layer_freq"]:
         yield from _mlp(f"{p}.mlp", h, cfg["intermediate_size"], block)
     else:

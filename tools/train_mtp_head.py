@@ -95,7 +95,7 @@ from tools.distill_mtp import (  # noqa: E402
 )
 from tools.eval_mtp_agreement import load_mtp  # noqa: E402
 from tools.export_deepseek_mtp import export  # noqa: E402
-from tools.train_tiny_model import MTPLayer, mtp_checkpoint_tensors  # noqa: E402
+from tools.train_tiny_model import MTPLayer, load_hf_model, mtp_checkpoint_tensors  # noqa: E402
 from xllm_py.weights.loader import INDEX_FILE, layer_index, tensor_files  # noqa: E402
 
 META_FILE = "mtp_head_training.json"
@@ -483,9 +483,7 @@ def run(args) -> int:
         sampled_prompts=args.sampled_prompts,
     )
 
-    from transformers import DeepseekV3ForCausalLM
-
-    model = DeepseekV3ForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model = load_hf_model(args.model)
     model.requires_grad_(False)
     cfg = model.config
     mtp = init_mtp(model, cfg) if args.init == "last-layer" else load_mtp(args.model, cfg)

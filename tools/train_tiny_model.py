@@ -211,22 +211,44 @@ def tokenize_stream(texts: list[str], tok_file: Path) -> np.ndarray:
 # ---- the MTP module ----------------------------------------------------------------------------
 
 
+def load_hf_model(path: str | Path, **kwargs):
+    """HF transformers' model of a checkpoint, by its architecture (DeepseekV3ForCausalLM or
+    DeepseekV2ForCausalLM), float32, eval. The config is read under that architecture's own
+    model_type: HF maps per-expert tensor names onto its stacked experts by model_type, and
+    under another (Kimi-K2's `kimi_k2`) it would leave the experts at their random init."""
+    import transformers
+
+    raw = json.loads((Path(path) / "config.json").read_text())
+    arch = (raw.get("architectures") or ["DeepseekV3ForCausalLM"])[0]
+    if arch not in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV32ForCausalLM"):
+        raise ValueError(f"{path}: architectures={raw.get('architectures')!r}; need DeepSeek V2/V3")
+    raw.pop("model_type", None)
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict(raw)
+    kwargs.setdefault("dtype", torch.float32)
+    return getattr(transformers, arch).from_pretrained(path, config=config, **kwargs).eval()
+
+
 class MTPLayer(nn.Module):
-    """One DeepSeek-V3 MTP module; parameter names as stored under model.layers.{N}."""
+    """One MTP module on a DeepSeek-V3 (or V2: its decoder layer, for a V2 config) target;
+    parameter names as stored under model.layers.{N}."""
 
     def __init__(self, cfg, layer_idx: int) -> None:
         super().__init__()
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-            DeepseekV3DecoderLayer,
-            DeepseekV3RMSNorm,
-        )
+        import importlib
 
+        import transformers
+
+        v2 = isinstance(cfg, transformers.DeepseekV2Config)
+        name, family = ("deepseek_v2", "DeepseekV2") if v2 else ("deepseek_v3", "DeepseekV3")
+        modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        decoder = getattr(modeling, f"{family}DecoderLayer")
+        norm = getattr(modeling, f"{family}RMSNorm")
         h = cfg.hidden_size
-        self.enorm = DeepseekV3RMSNorm(h, cfg.rms_norm_eps)
-        self.hnorm = DeepseekV3RMSNorm(h, cfg.rms_norm_eps)
+        self.enorm = norm(h, cfg.rms_norm_eps)
+        self.hnorm = norm(h, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.block = DeepseekV3DecoderLayer(cfg, layer_idx)  # layer_idx >= first_k_dense: MoE
-        self.head_norm = DeepseekV3RMSNorm(h, cfg.rms_norm_eps)
+        self.block = decoder(cfg, layer_idx)  # layer_idx >= first_k_dense: MoE
+        self.head_norm = norm(h, cfg.rms_norm_eps)
 
     def forward(self, hidden, next_embeds, position_embeddings, mask):
         return self.head_norm(self.states(hidden, next_embeds, position_embeddings, mask))

@@ -96,11 +96,13 @@ class EngineArgs:
         else None)  # fmt: skip
     dtype: str = option("auto", "model", "float32, bfloat16 or float16; auto = bfloat16 on "
         "accelerators, float32 on CPU")  # fmt: skip
-    weight_dtype: str = option("auto", "model", "how an FP8 checkpoint's weights are held: fp8 "
-        "(resident with their block scales; block-scaled FP8 GEMM on CUDA where available, else "
-        "dequantised per matmul), bf16 or float32 (dequantised at load; must equal --dtype); "
-        "auto = fp8 where the device has a block-scaled FP8 GEMM and graph mode is off, else "
-        "dequantised at load")  # fmt: skip
+    weight_dtype: str = option("auto", "model", "how a quantised checkpoint's weights are "
+        "held: fp8 (FP8 checkpoints: resident with their block scales; block-scaled FP8 GEMM "
+        "on CUDA where available, else dequantised per matmul), int4 (INT4 pack-quantized "
+        "routed experts, Kimi-K2-Thinking's: kept packed with their group scales, about 0.28 "
+        "of their bf16 bytes, unpacked per matmul), bf16 or float32 (dequantised at load; "
+        "must equal --dtype); auto = fp8 where the device has a block-scaled FP8 GEMM, int4 "
+        "on CUDA (both with graph mode off), else dequantised at load")  # fmt: skip
     attention_backend: str = option("auto", "model", "MLA attention kernel: torch (block-"
         "wise over the paged cache), triton (the Triton paged-MLA kernel, in place, split-KV), "
         "flashinfer or flashmla (named, adapters not written yet). auto = triton on CUDA (and "
@@ -394,7 +396,7 @@ class EngineArgs:
         if self.enable_graph is not None:
             return self.enable_graph
         on_cpu = self.devices.startswith("cpu") and self.dtype in ("auto", "float32")
-        return on_cpu and not self.is_cluster and self.weight_dtype != "fp8"
+        return on_cpu and not self.is_cluster and self.weight_dtype not in ("fp8", "int4")
 
     def engine_config(self):
         """The layered EngineConfig (each part checks itself); in a cluster, also checks the

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "DeepseekV3ForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV32ForCausalLM",
+)
+# DeepSeek-V3.2's sparse attention (DSA): a lightning indexer picks each query's top
+# `index_topk` cached tokens; these config fields describe it (required for V3.2).
+DSA_FIELDS = ("index_topk", "index_head_dim", "index_n_heads")
 # Router affinity: DeepSeek-V3 (and Kimi-K2, Moonlight) sigmoid; DeepSeek-V2 softmax.
 SCORING_FUNCS = ("sigmoid", "softmax")
 # Expert choice (models/layers/moe.py): V3's bias-steered grouped top-k, V2's group-limited
@@ -141,6 +148,123 @@ _REQUIRED = (
 )
 
 
+CONFIG_FILE = "config.json"
+# Mistral's own layout (Mistral Large 3): params.json instead of config.json, with Mistral's
+# field and tensor names (weights/mistral.py maps the tensors).
+MISTRAL_PARAMS_FILE = "params.json"
+
+
+def config_file(path: str | Path) -> Path:
+    """The file a checkpoint's architecture is read from: config.json, else params.json."""
+    path = Path(path)
+    for name in (CONFIG_FILE, MISTRAL_PARAMS_FILE):
+        if (path / name).is_file():
+            return path / name
+    raise ValueError(
+        f"model={str(path)!r}: no config.json (or Mistral params.json) in that directory"
+    )
+
+
+def read_config_dict(path: str | Path) -> dict[str, Any]:
+    """config.json as a dict; a Mistral params.json converted to the same fields."""
+    f = config_file(path)
+    try:
+        raw = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f}: not JSON ({e})") from None
+    return raw if f.name == CONFIG_FILE else config_from_mistral_params(raw)
+
+
+# params.json field -> config.json field, and the same for its "moe" section
+_MISTRAL_FIELDS = {
+    "dim": "hidden_size", "n_layers": "num_hidden_layers", "hidden_dim": "intermediate_size",
+    "n_heads": "num_attention_heads", "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps",
+    "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank",
+    "qk_rope_head_dim": "qk_rope_head_dim", "qk_nope_head_dim": "qk_nope_head_dim",
+    "v_head_dim": "v_head_dim", "max_position_embeddings": "max_position_embeddings",
+    "rope_theta": "rope_theta", "tied_embeddings": "tie_word_embeddings",
+}  # fmt: skip
+_MISTRAL_MOE_FIELDS = {
+    "num_experts": "n_routed_experts", "num_experts_per_tok": "num_experts_per_tok",
+    "expert_hidden_dim": "moe_intermediate_size", "first_k_dense_replace": "first_k_dense_replace",
+    "num_shared_experts": "n_shared_experts", "routed_scale": "routed_scaling_factor",
+    "num_expert_groups": "n_group", "num_expert_groups_per_tok": "topk_group",
+    "route_every_n": "moe_layer_freq",
+}  # fmt: skip
+# params.json keys that describe parts this engine does not serve (Mistral Large 3 is also
+# a vision model: its vision tower's tensors are skipped by the loader, text is served)
+_MISTRAL_IGNORED = ("vision_encoder", "multimodal", "head_dim", "n_kv_heads", "model_type")
+
+
+def config_from_mistral_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A Mistral MLA + MoE params.json (Mistral Large 3) as DeepSeek-V3 config.json fields:
+    softmax routing over plain top-k with the top-k weights renormalised, YaRN from `yarn`
+    (`apply_scale: false` = no YaRN attention scaling: the cos/sin tables and the softmax
+    scale stay unscaled), and `llama_4_scaling` (position-dependent query scaling) as is.
+    ValueError names a field this engine does not read."""
+    p = dict(params)
+    if p.get("kv_lora_rank") is None:
+        raise ValueError("params.json has no kv_lora_rank: only Mistral's MLA models are supported")
+    cfg: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    for key, hf in _MISTRAL_FIELDS.items():
+        if key in p:
+            cfg[hf] = p.pop(key)
+    moe = dict(p.pop("moe", None) or {})
+    for key, hf in _MISTRAL_MOE_FIELDS.items():
+        if key in moe:
+            cfg[hf] = moe.pop(key)
+    if moe:
+        raise ValueError(f"params.json moe.{sorted(moe)[0]} is not read by this engine")
+    cfg.update(scoring_func="softmax", topk_method="greedy", norm_topk_prob=True)
+    if int(cfg.get("n_group") or 1) > 1:
+        raise ValueError(
+            f"params.json moe.num_expert_groups={cfg['n_group']}: only 1 group is supported "
+            "for Mistral's softmax routing"
+        )
+    yarn = p.pop("yarn", None)
+    if yarn:
+        cfg["rope_scaling"] = _mistral_yarn(dict(yarn))
+    if p.get("llama_4_scaling"):
+        l4 = p.pop("llama_4_scaling")
+        if not {"beta", "original_max_position_embeddings"} <= set(l4):
+            raise ValueError(
+                "params.json llama_4_scaling needs beta and original_max_position_embeddings"
+            )
+        cfg["llama_4_scaling"] = l4
+    quant = p.pop("quantization_config", None) or p.pop("quantization", None)
+    if quant:
+        if quant.get("quant_method") != "compressed-tensors":
+            raise ValueError(
+                f"params.json quantization {quant!r} is not supported; Mistral's FP8 release "
+                "in compressed-tensors' FP8_BLOCK layout is"
+            )
+        cfg["quantization_config"] = quant
+    cfg.setdefault("max_position_embeddings", p.pop("max_seq_len", None))
+    cfg.update(bos_token_id=p.pop("bos_token_id", 1), eos_token_id=p.pop("eos_token_id", 2))
+    cfg["torch_dtype"] = p.pop("torch_dtype", "bfloat16")
+    unread = [k for k in p if k not in _MISTRAL_IGNORED and p[k] is not None]
+    if unread:
+        raise ValueError(f"params.json field {unread[0]!r} is not read by this engine")
+    return cfg
+
+
+def _mistral_yarn(yarn: dict[str, Any]) -> dict[str, Any]:
+    out = {
+        "type": "yarn",
+        "factor": yarn.pop("factor"),
+        "original_max_position_embeddings": yarn.pop("original_max_position_embeddings"),
+        "beta_fast": yarn.pop("beta", 32),
+        "beta_slow": yarn.pop("alpha", 1),
+    }
+    if yarn.pop("apply_scale", True):  # m(factor)^2 on the softmax scale, cos/sin as they are
+        out.update(mscale=1.0, mscale_all_dim=1.0)
+    else:
+        out.update(attention_factor=1.0)
+    if yarn:
+        raise ValueError(f"params.json yarn.{sorted(yarn)[0]} is not read by this engine")
+    return out
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture of a DeepSeek-V3 checkpoint, from its `config.json`."""
@@ -177,15 +301,18 @@ class ModelConfig:
     checkpoint_dtype: str
     tie_word_embeddings: bool
     quantization_config: dict | None = None
+    # Llama-4's position-dependent query scaling (Mistral Large 3): (beta, original max
+    # position); queries at position p are multiplied by 1 + beta * ln(1 + floor(p / orig)).
+    llama_4_scaling: tuple[float, int] | None = None
+    # DSA (DeepSeek-V3.2): 0 = dense attention
+    index_topk: int = 0
+    index_head_dim: int = 0
+    index_n_heads: int = 0
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise ValueError(f"model={str(path)!r}: no config.json in that directory")
-        return cls.from_dict(json.loads(cfg_file.read_text()), str(path))
+        return cls.from_dict(read_config_dict(path), str(Path(path)))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], path: str = "") -> ModelConfig:
@@ -199,7 +326,11 @@ class ModelConfig:
             if cfg.get(name) is None:
                 raise ValueError(f"config.json is missing the field {name!r}")
         n_routed = int(cfg.get("n_routed_experts") or 0)
-        v2 = "DeepseekV3ForCausalLM" not in archs
+        v2 = "DeepseekV2ForCausalLM" in archs
+        dsa = "DeepseekV32ForCausalLM" in archs
+        for name in DSA_FIELDS if dsa else ():
+            if cfg.get(name) is None:
+                raise ValueError(f"config.json is missing the field {name!r} (DeepSeek-V3.2)")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -236,16 +367,36 @@ class ModelConfig:
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             quantization_config=cfg.get("quantization_config"),
+            llama_4_scaling=_llama_4_scaling(cfg),
+            **{name: int(cfg[name]) for name in DSA_FIELDS if dsa},
             raw=cfg,
         )
 
     def __post_init__(self) -> None:
+        if self.index_topk:
+            self._check_dsa()
+        if self.llama_4_scaling is not None and self.llama_4_scaling[1] <= 0:
+            raise ValueError(
+                f"config.json llama_4_scaling.original_max_position_embeddings="
+                f"{self.llama_4_scaling[1]} must be > 0"
+            )
         if self.first_k_dense_replace < 0:
             raise ValueError(f"config.json first_k_dense_replace={self.first_k_dense_replace} < 0")
         if self.q_lora_rank is not None and int(self.q_lora_rank) <= 0:
             raise ValueError(f"config.json q_lora_rank={self.q_lora_rank} must be null or > 0")
         if self.num_moe_layers:
             self._check_moe()
+
+    def _check_dsa(self) -> None:
+        if self.q_lora_rank is None:
+            raise ValueError("config.json q_lora_rank=null: DSA's indexer reads the q-LoRA latent")
+        if self.index_head_dim < self.qk_rope_head_dim or self.index_n_heads < 1:
+            raise ValueError(
+                f"config.json index_head_dim={self.index_head_dim} must be >= qk_rope_head_dim="
+                f"{self.qk_rope_head_dim} and index_n_heads={self.index_n_heads} >= 1"
+            )
+        if self.index_topk < 1:
+            raise ValueError(f"config.json index_topk={self.index_topk} must be >= 1")
 
     def _check_moe(self) -> None:
         for name in ("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok"):
@@ -291,12 +442,27 @@ class ModelConfig:
 
     @property
     def kv_cache_dim(self) -> int:
-        """Numbers cached per token per layer: the MLA latent plus the roped key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
+        """Numbers cached per token per layer: the MLA latent plus the roped key, and under
+        DSA the indexer's key beside them (same block, same slot: prefix caching,
+        preemption and every rank's copy follow the latent's)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
 
     @property
     def softmax_scale(self) -> float:
         return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
+
+
+def _llama_4_scaling(cfg: dict[str, Any]) -> tuple[float, int] | None:
+    """`llama_4_scaling: {beta, original_max_position_embeddings}` (vLLM's reading of
+    Mistral's params.json), or HF's `llama_4_scaling_beta` in the rope parameters, whose
+    original_max_position_embeddings it shares."""
+    l4 = cfg.get("llama_4_scaling")
+    if l4:
+        return float(l4["beta"]), int(l4["original_max_position_embeddings"])
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("llama_4_scaling_beta") is None:
+        return None
+    return float(rope["llama_4_scaling_beta"]), int(rope["original_max_position_embeddings"])
 
 
 @dataclass(frozen=True)
@@ -422,10 +588,12 @@ class DeviceConfig:
     # the worker while steps run eager, each bucket used once compiled (one-rank replicas)
     graph_warm_up: str = "startup"
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    # How an FP8 checkpoint's weights are held (weights/fp8.py): "fp8" resident with their
-    # block scales, or dequantised at load into the run dtype ("bfloat16" / "float32", which
-    # must then be the run dtype). "auto": fp8 where the device has a block-scaled FP8 GEMM
-    # (and graph mode is off), else dequantised. Checkpoints without FP8: ignored.
+    # How a quantised checkpoint's weights are held: "fp8" FP8-resident with their block
+    # scales (weights/fp8.py); "int4" INT4 routed experts kept packed with their group
+    # scales (weights/int4.py: Kimi-K2-Thinking); or dequantised at load into the run dtype
+    # ("bfloat16" / "float32", which must then be the run dtype). "auto": fp8 where the
+    # device has a block-scaled FP8 GEMM, int4 on CUDA (both with graph mode off), else
+    # dequantised. fp8 / int4 on a checkpoint without such weights: refused by the worker.
     weight_dtype: str = "auto"
     # Kernels (ops/backends.py): auto, torch, triton (attention also flashinfer, flashmla);
     # resolved against what this device has when the worker starts.
@@ -465,14 +633,17 @@ class DeviceConfig:
     def _check_weight_dtype(self) -> None:
         wd = {"bf16": "bfloat16", "fp32": "float32"}.get(self.weight_dtype, self.weight_dtype)
         object.__setattr__(self, "weight_dtype", wd)
-        if wd not in ("auto", "fp8", "bfloat16", "float32"):
-            raise ValueError(f"weight_dtype={wd!r} must be auto, fp8, bf16 (bfloat16) or float32")
-        if wd == "fp8" and self.enable_graph:
+        if wd not in ("auto", "fp8", "int4", "bfloat16", "float32"):
             raise ValueError(
-                "weight_dtype=fp8 with enable_graph=True is not implemented (FP8-resident "
-                "weights run eager); use weight_dtype=bf16 for graph mode"
+                f"weight_dtype={wd!r} must be auto, fp8, int4, bf16 (bfloat16) or float32"
             )
-        if wd not in ("auto", "fp8") and wd != self.dtype_name:
+        if wd in ("fp8", "int4") and self.enable_graph:
+            held = {"fp8": "FP8-resident weights", "int4": "packed INT4 experts"}[wd]
+            raise ValueError(
+                f"weight_dtype={wd} with enable_graph=True is not implemented ({held} run "
+                "eager); use weight_dtype=bf16 for graph mode"
+            )
+        if wd not in ("auto", "fp8", "int4") and wd != self.dtype_name:
             raise ValueError(
                 f"weight_dtype={wd}: dequantised weights take the run dtype, which is "
                 f"{self.dtype_name} (set dtype={wd} too)"
@@ -517,6 +688,12 @@ class EngineConfig:
                 f"draft_devices={draft_device!r} must equal devices={self.device.device!r} "
                 "(--draft_devices, --devices): the MTP draft shares the target's embedding, "
                 "head and KV cache blocks"
+            )
+        if self.model.index_topk and self.device.enable_graph:
+            raise ValueError(
+                "enable_graph=True with DeepSeek-V3.2's sparse attention (DSA, index_topk="
+                f"{self.model.index_topk}) is not implemented: its top-k attention runs eager "
+                "(--enable_graph=false)"
             )
         if self.cache.num_lookahead_tokens != k:  # k draft slots reserved ahead of each request
             object.__setattr__(self, "cache", replace(self.cache, num_lookahead_tokens=k))

@@ -16,10 +16,13 @@ What stays resident after `process_weights_after_loading` is added explicitly: t
 absorbed-decode copies `w_uk`/`w_uv` (one copy of kv_b_proj, in the compute dtype) and
 each RMSNorm's float32 `scale`; fused matrices (w_in, w13, w2) replace their parts.
 Weights are priced by --weight_dtype: fp8 = a tensor the checkpoint stores with a
-`weight_scale_inv` costs 1 byte/element plus float32 block scales of its local shape,
-everything else the bf16 compute dtype (or its own dtype where the model fixes one: the
-float32 router, the rope tables). Not counted: FP8-resident weights' int64 block index
-maps (tens of MB), runtime buffers (in --activation_reserve_gb). Every line of the output
+`weight_scale_inv` costs 1 byte/element plus float32 block scales of its local shape;
+int4 = a tensor the checkpoint stores INT4 pack-quantized (Kimi-K2-Thinking's routed
+experts) costs its int32 words, 0.5 byte/element, plus bf16 group scales of its local
+shape (the dtype Kimi-K2-Thinking stores them in, which the engine keeps); everything
+else the bf16 compute dtype (or its own dtype where the model fixes one: the float32
+router, the rope tables). Not counted: FP8-resident weights' int64 block index maps
+(tens of MB), runtime buffers (in --activation_reserve_gb). Every line of the output
 is defined in docs/memory_plan.md.
 """
 
@@ -35,19 +38,26 @@ from pathlib import Path
 
 import torch
 
-from xllm_py.config import ModelConfig
+from xllm_py.config import ModelConfig, read_config_dict
 from xllm_py.models.deepseek_mtp import DeepseekV3MTP
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
 from xllm_py.models.layers.mla import MLAttention
 from xllm_py.models.layers.norm import RMSNorm
 from xllm_py.parallel.context import ParallelContext
 from xllm_py.weights import int4
-from xllm_py.weights.fp8 import SCALE_SUFFIX, Fp8Config
+from xllm_py.weights.fp8 import SCALE_SUFFIX, Fp8Config, scale_aliases
 from xllm_py.weights.loader import INDEX_FILE, layer_index, unindexed_weight_files
+from xllm_py.weights.mistral import is_mistral_layout
+from xllm_py.weights.mistral import name_map as mistral_names
 
 KINDS = ("attention", "dense", "experts", "embedding/head", "MTP", "norms/rope")
 GIB = 2**30
-_COMPUTE = {"fp8": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32}
+_COMPUTE = {
+    "fp8": torch.bfloat16,
+    "int4": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+}
 
 
 @dataclass(frozen=True)
@@ -82,11 +92,14 @@ class Options:
     block_size: int = _opt(128, "tokens per KV cache block")
     num_speculative_tokens: int = _opt(1, "MTP draft tokens; > 0 loads the MTP layer(s), "
                                        "each with its own KV cache layer; 0: no draft")
-    weight_dtype: str = _opt("auto", "auto | fp8 | bf16 | float32. fp8: tensors stored FP8 "
-                             "stay FP8 (1 byte/element + float32 block scales), the rest "
-                             "bf16; bf16, float32: everything in that dtype; auto: fp8 when "
-                             "config.json has a quantization_config, else bf16. Compute and "
-                             "KV cache dtype: bf16 (float32 with float32)")
+    weight_dtype: str = _opt("auto", "auto | fp8 | int4 | bf16 | float32. fp8: tensors "
+                             "stored FP8 stay FP8 (1 byte/element + float32 block scales), "
+                             "the rest bf16; int4: tensors stored INT4 pack-quantized stay "
+                             "packed (0.5 byte/element + bf16 group scales), the rest bf16; "
+                             "bf16, float32: everything in that dtype; auto: fp8 or int4 as "
+                             "config.json's quantization_config says (what the engine does "
+                             "on CUDA), else bf16. Compute and KV cache dtype: bf16 "
+                             "(float32 with float32)")
     # fmt: on
 
     @property
@@ -102,6 +115,9 @@ class Plan:
     cache_layers: int
     kv_bytes_per_token: int
     max_model_len: int
+    # what a cached token holds per layer, in elements: the MLA latent, the roped key, and
+    # under DSA (DeepSeek-V3.2) the indexer's key beside them
+    kv_parts: dict[str, int] = field(default_factory=dict)
 
     def rank_bytes(self, kind: str = "total") -> int:
         return sum(t.nbytes for t in self.tensors if kind in ("total", t.kind))
@@ -140,6 +156,11 @@ def read_headers(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
         header.pop("__metadata__", None)
         out.update({k: (v["dtype"], tuple(v["shape"])) for k, v in header.items()})
+    if is_mistral_layout(path):  # under the model's names, as the loader lists them
+        out = {hf: out[stored] for hf, stored in mistral_names(list(out)).items()}
+    fp8 = Fp8Config.from_quantization_config(read_config_dict(path).get("quantization_config"))
+    for name, stored in scale_aliases(out, fp8).items():
+        out[name] = out.pop(stored)
     return _fold_int4(out)
 
 
@@ -213,7 +234,7 @@ def rank_tensors(cfg, headers, target, draft, weight_dtype: str) -> list[RankTen
     """Every tensor rank 0 keeps resident, priced; shapes checked against the headers."""
     n, out = cfg.num_hidden_layers, []
     compute = _COMPUTE[weight_dtype].itemsize
-    fp8 = Fp8Config.from_quantization_config(cfg.quantization_config)
+    fp8, i4 = _quantization(cfg)
     for module, first in [(target, None)] + ([(draft.layers, n)] if draft is not None else []):
 
         def add(local: str, shape, nbytes: int, first=first) -> None:
@@ -224,7 +245,8 @@ def rank_tensors(cfg, headers, target, draft, weight_dtype: str) -> list[RankTen
             name = _checkpoint_name(local, first)
             if not name.endswith(SCALE_SUFFIX):  # (scales are priced with their weight)
                 _check_shape(name, t, headers)
-                add(local, t.shape, _price(t, name + SCALE_SUFFIX in headers, fp8, weight_dtype))
+                stored = "fp8" if name + SCALE_SUFFIX in headers else headers.get(name, ("",))[0]
+                add(local, t.shape, _price(t, stored, fp8, i4, weight_dtype))
         for local, m in module.named_modules():  # what process_weights_after_loading adds
             if isinstance(m, RMSNorm):  # its float32 `scale`
                 add(f"{local}.scale", m.weight.shape, m.weight.numel() * 4)
@@ -242,11 +264,28 @@ def _checkpoint_name(local: str, first_layer: int | None) -> str:
     return f"model.layers.{first_layer + int(j)}.{rest}"
 
 
-def _price(t: torch.Tensor, has_scales: bool, fp8: Fp8Config | None, weight_dtype: str) -> int:
-    """Resident bytes of a tensor of this rank's shape."""
-    if weight_dtype == "fp8" and has_scales:  # 1 byte/element + float32 block scales
+def _quantization(cfg: ModelConfig) -> tuple[Fp8Config | None, int4.Int4Config | None]:
+    """The checkpoint's FP8 or INT4 scheme (at most one is not None)."""
+    fp8 = Fp8Config.from_quantization_config(cfg.quantization_config)
+    return fp8, None if fp8 else int4.Int4Config.from_quantization_config(cfg.quantization_config)
+
+
+def _price(
+    t: torch.Tensor,
+    stored: str,
+    fp8: Fp8Config | None,
+    i4: int4.Int4Config | None,
+    weight_dtype: str,
+) -> int:
+    """Resident bytes of a tensor of this rank's shape. `stored`: "fp8" for a tensor the
+    checkpoint stores with block scales, else its header dtype ("I4": INT4 packed)."""
+    if weight_dtype == "fp8" and stored == "fp8":  # 1 byte/element + float32 block scales
         rows, cols = t.shape
         return t.numel() + math.ceil(rows / fp8.block[0]) * math.ceil(cols / fp8.block[1]) * 4
+    if weight_dtype == "int4" and stored == "I4":  # int32 words + bf16 group scales
+        rows, cols = t.shape
+        words, groups = math.ceil(cols / int4.PACK), math.ceil(cols / i4.group_size)
+        return rows * words * 4 + rows * groups * 2
     if t.dtype in (torch.bfloat16, torch.float16) or t.dtype.itemsize == 1:
         return t.numel() * _COMPUTE[weight_dtype].itemsize  # built in the compute dtype
     return t.numel() * t.element_size()  # a dtype the model fixes (float32 router, rope)
@@ -280,14 +319,16 @@ def make_plan(model: str | Path, devices: int, **options) -> Plan:
     if o.block_size < 1:
         raise ValueError(f"--block_size={o.block_size}: must be >= 1")
     cfg = ModelConfig.from_pretrained(model)
-    # FP8 weights can stay FP8; INT4 ones (weights/int4.py) are dequantised at load.
-    quantized = Fp8Config.from_quantization_config(cfg.quantization_config) is not None
+    # FP8 weights can stay FP8 and INT4 ones packed (weights/int4.py), as the engine's
+    # auto does on CUDA.
+    fp8, i4 = _quantization(cfg)
+    kept = "fp8" if fp8 else "int4" if i4 else None
     wd = o.weight_dtype
-    wd = ("fp8" if quantized else "bf16") if wd == "auto" else wd
-    if wd not in _COMPUTE or (wd == "fp8" and not quantized):
+    wd = (kept or "bf16") if wd == "auto" else wd
+    if wd not in _COMPUTE or (wd in ("fp8", "int4") and wd != kept):
         raise ValueError(
-            f"--weight_dtype={wd}: use auto, bf16, float32 or (with an FP8 quantization_config "
-            "in config.json) fp8"
+            f"--weight_dtype={wd}: use auto, bf16, float32, fp8 (with an FP8 "
+            "quantization_config in config.json) or int4 (with an INT4 compressed-tensors one)"
         )
     if o.num_speculative_tokens and not cfg.num_nextn_predict_layers:
         raise ValueError(f"--num_speculative_tokens={o.num_speculative_tokens}: no MTP layer")
@@ -301,6 +342,8 @@ def make_plan(model: str | Path, devices: int, **options) -> Plan:
         tensors=rank_tensors(cfg, headers, target, draft, wd),
         cache_layers=cache_layers,
         kv_bytes_per_token=cache_layers * cfg.kv_cache_dim * _COMPUTE[wd].itemsize,
+        kv_parts={"latent": cfg.kv_lora_rank, "roped key": cfg.qk_rope_head_dim}
+        | ({"indexer key": cfg.index_head_dim} if cfg.index_head_dim else {}),
         max_model_len=cfg.max_position_embeddings,
     )
 
@@ -344,10 +387,16 @@ def format_plan(p: Plan) -> str:
 def _kv_lines(p: Plan, kv_dtype: str) -> list[str]:
     o, per_token, per_block = p.opts, p.kv_bytes_per_token, p.kv_bytes_per_block
     kv_el = _COMPUTE[o.weight_dtype].itemsize
+    parts = " + ".join(f"{n} {k}" for k, n in p.kv_parts.items())
     lines = [
-        f"KV cache (MLA latent + roped key, {kv_dtype}; full on every tp rank)",
-        f"  per token  {p.cache_layers} cache layers x {per_token // p.cache_layers // kv_el} x "
+        f"KV cache ({' + '.join(p.kv_parts)}, {kv_dtype}; full on every tp rank)",
+        f"  per token  {p.cache_layers} cache layers x ({parts}) x "
         f"{kv_el} B = {per_token:,} B ({per_token / 1024:.1f} KiB)",
+        *(
+            f"    {k:12s} {p.cache_layers * n * kv_el:,} B a token"
+            for k, n in p.kv_parts.items()
+            if len(p.kv_parts) > 2
+        ),
         f"  per block  {o.block_size} tokens = {per_block:,} B ({per_block / 2**20:.2f} MiB)",
         "",
         f"capacity at --max_memory_utilization {o.max_memory_utilization:g}",

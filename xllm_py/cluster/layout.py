@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 
 from xllm_py.cluster import cluster_pb2 as pb
 from xllm_py.cluster.security import INSECURE, ClusterSecurity
-from xllm_py.config import EngineConfig
+from xllm_py.config import EngineConfig, config_file
 
 
 @dataclass(frozen=True)
@@ -103,8 +102,8 @@ class ClusterOptions:
 
 def model_fingerprint(config: EngineConfig) -> pb.ModelFingerprint:
     """What must match on every node for replicas to produce the same tokens: the model's
-    config.json bytes, the run dtype, the MTP draft count and the KV block size."""
-    config_sha = hashlib.sha256((Path(config.model.path) / "config.json").read_bytes()).hexdigest()
+    config.json (or params.json) bytes, the run dtype, the MTP draft count and the KV block size."""
+    config_sha = hashlib.sha256(config_file(config.model.path).read_bytes()).hexdigest()
     dtype = str(config.device.torch_dtype()).removeprefix("torch.")
     k, bs = config.spec.num_speculative_tokens, config.cache.block_size
     digest = hashlib.sha256(f"{config_sha}|{dtype}|{k}|{bs}".encode()).hexdigest()

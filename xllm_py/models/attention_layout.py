@@ -80,10 +80,9 @@ def _group(
     )  # padding rows see key 0
     width = -(-L // block_size)  # the table is padded to its longest row
     kv_blocks = block_table[:, :width]  # with block 0, never read past a request's ctx_len
-    mask = None  # the absorbed form masks from ctx_lens and q_lens as it reads the cache
-    if not absorbed:  # the expanded form gathers whole blocks: positions past ctx_len masked
-        key_pos = torch.arange(width * block_size, device=device)
-        mask = (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)  # [B, 1, Q, L]
+    # The absorbed form masks from ctx_lens and q_lens as it reads the cache; the expanded
+    # form gathers whole blocks: positions past each row's own masked.
+    mask = None if absorbed else _causal(q_pos, width * block_size)
     all_valid = all(r.q_len == Q for r in reqs)
     q_index = None
     if not identity:
@@ -100,6 +99,21 @@ def _group(
         ctx_lens=ctx_lens,
         q_lens=q_lens,
     )
+
+
+def _causal(q_pos: torch.Tensor, L: int) -> torch.Tensor:
+    """bool [B, 1, Q, L]: key j visible from the row at q_pos [B, Q] when j <= q_pos."""
+    key_pos = torch.arange(L, device=q_pos.device)
+    return (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)
+
+
+def expanded_mask(g: AttnGroup, L: int) -> torch.Tensor:
+    """The expanded form's mask [B, 1, Q, L] for an absorbed group (from its ctx_lens and
+    q_lens; padding rows see key 0): what `_group` builds for an expanded one."""
+    ar_q = torch.arange(g.q_len, device=g.ctx_lens.device)
+    q_valid = ar_q.unsqueeze(0) < g.q_lens.unsqueeze(1)
+    q_pos = torch.where(q_valid, (g.ctx_lens - g.q_lens).unsqueeze(1) + ar_q, 0)
+    return _causal(q_pos, L)
 
 
 def build_context(

@@ -59,10 +59,12 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)
         self.shared_head = SharedHead(cfg)
 
-    def predict(self, hidden: torch.Tensor, next_embeds: torch.Tensor, rope) -> torch.Tensor:
+    def predict(
+        self, hidden: torch.Tensor, next_embeds: torch.Tensor, rope, q_scale=None
+    ) -> torch.Tensor:
         """h_i [T, hidden] and embed(t_{i+1}) [T, hidden] -> block output [T, hidden]."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        h, delta = self(x, rope)
+        h, delta = self(x, rope, None, q_scale)
         return h + delta  # the block output is used twice (head norm, next step's hnorm)
 
 
@@ -102,8 +104,8 @@ class DeepseekV3MTP(nn.Module):
         """Draft step `step` (layer step mod num layers) at `positions` [T]: the previous
         hidden state there [T, hidden] and the token after it [T] -> block output [T, hidden]."""
         layer = self.layers[step % len(self.layers)]
-        rope = self.target.rotary(positions)
-        return layer.predict(hidden, self.target.model.embed_tokens(next_ids), rope)
+        rope, q_scale = self.target.rotary(positions), self.target.query_scale(positions)
+        return layer.predict(hidden, self.target.model.embed_tokens(next_ids), rope, q_scale)
 
     def head_norm(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         """The block output of step `step`, normalised for the (shared) head."""

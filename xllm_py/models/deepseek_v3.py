@@ -33,7 +33,7 @@ from xllm_py.models.layers.mla import MLAttention
 from xllm_py.models.layers.mlp import MLP
 from xllm_py.models.layers.moe import MoE
 from xllm_py.models.layers.norm import RMSNorm
-from xllm_py.models.layers.rope import RotaryEmbedding
+from xllm_py.models.layers.rope import RotaryEmbedding, llama_4_query_scale
 from xllm_py.models.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from xllm_py.parallel.context import SINGLE, ParallelContext
 
@@ -58,18 +58,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, rope: torch.Tensor, delta: torch.Tensor | None = None
+        self,
+        h: torch.Tensor,
+        rope: torch.Tensor,
+        delta: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, hidden]: the residual stream; delta: the previous layer's output, not yet
-        added to h (None for the first layer). Returns (h, delta) likewise, this layer's MLP
-        output left for whichever norm comes next to add: every add is then followed by a
-        norm (`add_and_norm`: one kernel with the Triton kernels; with the torch ones the
-        same adds and norms, in the same order, as the picture at the top of this file)."""
+        added to h (None for the first layer); q_scale [T]: the queries' position-dependent
+        scale (Llama-4 scaling, Mistral Large 3), None without. Returns (h, delta)
+        likewise, this layer's MLP output left for whichever norm comes next to add: every
+        add is then followed by a norm (`add_and_norm`: one kernel with the Triton kernels;
+        with the torch ones the same adds and norms, in the same order, as the picture at the
+        top of this file)."""
         if delta is None:
             x = self.input_layernorm(h)
         else:
             x, h = self.input_layernorm.add_and_norm(delta, h)
-        x, h = self.post_attention_layernorm.add_and_norm(self.self_attn(x, rope), h)
+        x, h = self.post_attention_layernorm.add_and_norm(self.self_attn(x, rope, q_scale), h)
         return h, self.mlp(x)
 
 
@@ -108,11 +114,16 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states after the final norm [T, hidden]."""
-        rope = self.rotary(positions)
+        rope, q_scale = self.rotary(positions), self.query_scale(positions)
         h, delta = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            h, delta = layer(h, rope, delta)
+            h, delta = layer(h, rope, delta, q_scale)
         return self.model.norm.add_and_norm(delta, h)[0]
+
+    def query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """[T] float32: Llama-4's query scale per position, or None when the config has none."""
+        l4 = self.config.llama_4_scaling
+        return None if l4 is None else llama_4_query_scale(positions, *l4)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab], the same on every rank (under

@@ -7,8 +7,9 @@ Contract (that of models/layers/moe.py's `grouped_experts`):
     weights  [T, top_k]        routing weights, already scaled; x.dtype or float32
     ids      [T, top_k] int    GLOBAL expert ids; this rank owns first_expert ..
                                first_expert + E_local - 1, the others contribute 0
-    w13      [E_local, 2*I, hidden]  gate rows, then up rows: a tensor in x.dtype, or an
-                               Fp8Weight (block-scaled e4m3; weights/fp8.py)
+    w13      [E_local, 2*I, hidden]  gate rows, then up rows: a tensor in x.dtype, an
+                               Fp8Weight (block-scaled e4m3; weights/fp8.py) or an
+                               Int4Weight (packed INT4, group scales; weights/int4.py)
     w2       [E_local, hidden, I]    the same form as w13
     -> out   [T, hidden] in x.dtype:
              out[t] = sum_j weights[t, j] * w2[e] @ (silu(gate_e x_t) * up_e x_t),
@@ -45,6 +46,15 @@ columns (1 x 128, fp8_gemm.per_token_group_quant) and the e4m3 tiles are multipl
 weight block's scale (see fp8_gemm.py; each K tile lies in one group). The reference
 quantises at the same two points, so the two agree to rounding order.
 
+INT4 (w13, w2 Int4Weight, groups of G input columns): activations stay in the run dtype;
+each weight tile is loaded as its int32 words [BLOCK_N, BLOCK_K / 8], unpacked to
+[BLOCK_N, BLOCK_K] nibbles in registers, shifted by -8 and multiplied by its group scales
+in fp32 (`_int4_tile`: exact, q has 4 bits), then cast to the dot's dtype as a run-dtype
+tile is. On a GPU in bf16 that rounds each weight once, to `Int4Weight.dequant(bf16)`'s
+value; under the interpreter (fp32 dots) it keeps them exact, as the reference does
+(weights dequantised to fp32, fp32 products). Nothing needs K tiles to line up with
+groups; 4 bits a weight are all that is read.
+
 Under Triton's interpreter (CPU tests) bf16 tiles are multiplied in fp32 and bf16 results
 written as fp32, then rounded by torch: its bf16 dot and fp32 -> bf16 cast are wrong
 (fp8_gemm.py says how); the kernel source is the one a GPU runs.
@@ -71,6 +81,7 @@ from xllm_py.ops.fp8_gemm import (
 )
 from xllm_py.ops.launch import check_launch
 from xllm_py.weights.fp8 import Fp8Weight
+from xllm_py.weights.int4 import Int4Weight
 
 try:
     import triton
@@ -78,7 +89,7 @@ try:
 except ImportError:  # the torch reference needs no Triton; the launcher says so
     triton = None
 
-Weight = torch.Tensor | Fp8Weight
+Weight = torch.Tensor | Fp8Weight | Int4Weight
 
 
 # ---- sorting and padding (device ops only) -----------------------------------------------------
@@ -165,10 +176,13 @@ def fused_moe_reference(
 
 
 def _ref_linear(a: torch.Tensor, w: Weight) -> torch.Tensor:
-    """a @ w^T in fp32; for FP8, `a` quantised per token group first, as the kernels do."""
+    """a @ w^T in fp32; for FP8, `a` quantised per token group first, as the kernels do;
+    for INT4, the weight dequantised (exactly: q * scale)."""
     if isinstance(w, Fp8Weight):
         aq, scale = per_token_group_quant(a, w.block[1])
         return dequant_groups(aq, scale, w.block[1]) @ w.dequant(torch.float32).T
+    if isinstance(w, Int4Weight):
+        return a.float() @ w.dequant(torch.float32).T
     return a.float() @ w.float().T
 
 
@@ -177,11 +191,77 @@ def _ref_linear(a: torch.Tensor, w: Weight) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def _int4_tile(
+        w_ptr,  # one expert's packed words [N, ceil(K / 8)] int32
+        s_ptr,  # its group scales [N, ceil(K / GROUP)]
+        rn,  # [BLOCK_N] weight rows
+        n_ok,
+        k0,
+        K,
+        stride_wn,
+        stride_wk,
+        stride_sn,
+        stride_sg,
+        GROUP: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Rows rn, columns k0 .. k0 + BLOCK_K of a packed INT4 matrix, dequantised: fp32
+        [BLOCK_N, BLOCK_K], 0 past K. k0 is a multiple of BLOCK_K, itself of 8."""
+        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # the tile's words
+        words = tl.load(
+            w_ptr + rn[:, None] * stride_wn + rw[None, :] * stride_wk,
+            mask=n_ok[:, None] & (rw < tl.cdiv(K, 8))[None, :],
+            other=0,
+        )
+        shifts = tl.arange(0, 8) * 4  # column 8j + i: bits 4i .. 4i + 3 of word j
+        nibbles = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # (>> keeps the sign;
+        q = tl.reshape(nibbles, (BLOCK_N, BLOCK_K)).to(tl.float32) - 8.0  # the mask drops it)
+        k = k0 + tl.arange(0, BLOCK_K)
+        s = tl.load(
+            s_ptr + rn[:, None] * stride_sn + (k // GROUP)[None, :] * stride_sg,
+            mask=n_ok[:, None] & (k < K)[None, :],
+            other=0.0,
+        )
+        return q * s.to(tl.float32)
+
+    @triton.jit
+    def _weight_tile(
+        w_e,  # one expert's weight: [N, K] as stored, or INT4 words [N, ceil(K / 8)]
+        ws_e,  # its scales (INT4: [N, ceil(K / GROUP)]; read only for INT4)
+        rn,
+        n_ok,
+        k0,
+        K,
+        stride_wn,
+        stride_wk,
+        stride_sn,
+        stride_sg,
+        INT4: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Rows rn, columns k0 .. k0 + BLOCK_K of one expert's weight, 0 outside it: as
+        stored (run dtype or e4m3), or for INT4 unpacked and scaled (fp32)."""
+        if INT4:
+            w = _int4_tile(w_e, ws_e, rn, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
+                           stride_sg, GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(
+                w_e + rn[:, None] * stride_wn + k[None, :] * stride_wk,
+                mask=n_ok[:, None] & (k < K)[None, :],
+                other=0.0,
+            )
+        return w
+
+    @triton.jit
     def _gate_up_kernel(
         x_ptr,  # [T, K] run dtype, or float8 e4m3 (FP8)
         xs_ptr,  # [T, ceil(K / GROUP_K)] float32 (FP8 only)
-        w_ptr,  # [E, 2 * I, K]
-        ws_ptr,  # [E, R, C] float32 (FP8 only)
+        w_ptr,  # [E, 2 * I, K]; INT4: int32 words [E, 2 * I, ceil(K / 8)]
+        ws_ptr,  # [E, R, C] float32 (FP8); INT4: [E, 2 * I, ceil(K / GROUP_K)]
         rows_ptr,  # [2 * I] int32: scale row of each weight row (FP8 only)
         act_ptr,  # [A, I] run dtype
         sorted_ptr,  # [P] int32
@@ -203,6 +283,7 @@ if triton is not None:
         stride_aa,
         stride_ai,
         FP8: tl.constexpr,
+        INT4: tl.constexpr,
         DOT: tl.constexpr,
         PRECISION: tl.constexpr,
         GROUP_K: tl.constexpr,
@@ -221,8 +302,8 @@ if triton is not None:
         n_ok = rn < I
         rk = tl.arange(0, BLOCK_K)
         w_e = w_ptr + e.to(tl.int64) * stride_we
+        ws_e = ws_ptr + e.to(tl.int64) * stride_wse
         if FP8:
-            ws_e = ws_ptr + e.to(tl.int64) * stride_wse
             gate_srow = tl.load(rows_ptr + rn, mask=n_ok, other=0)
             up_srow = tl.load(rows_ptr + I + rn, mask=n_ok, other=0)
         gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -235,10 +316,10 @@ if triton is not None:
                 mask=a_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            w_k = w_e + k[None, :] * stride_wk
-            wg = tl.load(w_k + rn[:, None] * stride_wn, mask=w_mask, other=0.0)  # gate rows
-            wu = tl.load(w_k + (I + rn)[:, None] * stride_wn, mask=w_mask, other=0.0)  # up rows
+            wg = _weight_tile(w_e, ws_e, rn, n_ok, k0, K, stride_wn, stride_wk, stride_wsr,
+                              stride_wsc, INT4, GROUP_K, BLOCK_N, BLOCK_K)  # gate  # fmt: skip
+            wu = _weight_tile(w_e, ws_e, I + rn, n_ok, k0, K, stride_wn, stride_wk, stride_wsr,
+                              stride_wsc, INT4, GROUP_K, BLOCK_N, BLOCK_K)  # up  # fmt: skip
             if FP8:
                 g = k0 // GROUP_K  # the tile lies in one scale group
                 xs = tl.load(xs_ptr + tok * stride_xst + g * stride_xsg, mask=a_ok, other=0.0)
@@ -260,8 +341,8 @@ if triton is not None:
     def _down_kernel(
         act_ptr,  # [A, K] run dtype, or float8 e4m3 (FP8); K = I
         as_ptr,  # [A, ceil(K / GROUP_K)] float32 (FP8 only)
-        w_ptr,  # [E, N, K]; N = hidden
-        ws_ptr,  # [E, R, C] float32 (FP8 only)
+        w_ptr,  # [E, N, K]; N = hidden; INT4: int32 words [E, N, ceil(K / 8)]
+        ws_ptr,  # [E, R, C] float32 (FP8); INT4: [E, N, ceil(K / GROUP_K)]
         rows_ptr,  # [N] int32 (FP8 only)
         topw_ptr,  # [A] routing weights
         out_ptr,  # [A, N] run dtype
@@ -283,6 +364,7 @@ if triton is not None:
         stride_oa,
         stride_on,
         FP8: tl.constexpr,
+        INT4: tl.constexpr,
         DOT: tl.constexpr,
         PRECISION: tl.constexpr,
         GROUP_K: tl.constexpr,
@@ -301,8 +383,8 @@ if triton is not None:
         n_ok = rn < N
         rk = tl.arange(0, BLOCK_K)
         w_e = w_ptr + e.to(tl.int64) * stride_we
+        ws_e = ws_ptr + e.to(tl.int64) * stride_wse
         if FP8:
-            ws_e = ws_ptr + e.to(tl.int64) * stride_wse
             srow = tl.load(rows_ptr + rn, mask=n_ok, other=0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -313,11 +395,8 @@ if triton is not None:
                 mask=a_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            w = tl.load(
-                w_e + rn[:, None] * stride_wn + k[None, :] * stride_wk,
-                mask=n_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
+            w = _weight_tile(w_e, ws_e, rn, n_ok, k0, K, stride_wn, stride_wk, stride_wsr,
+                             stride_wsc, INT4, GROUP_K, BLOCK_N, BLOCK_K)  # fmt: skip
             if FP8:
                 g = k0 // GROUP_K
                 hs = tl.load(as_ptr + a64 * stride_asa + g * stride_asg, mask=a_ok, other=0.0)
@@ -350,7 +429,8 @@ def fused_moe_triton(
     """The contract above as align_by_expert + the two kernels. `block_m`: rows per
     program (a power of two >= 16); default `default_block_m`."""
     check_launch(_gate_up_kernel if triton else None, x.device, "fused_moe_triton")
-    fp8 = _check_shapes(x, weights, ids, w13, w2)
+    kind = _check_shapes(x, weights, ids, w13, w2)
+    fp8 = kind == "fp8"
     T, top_k = ids.shape
     n_local, two_i, hidden = w13.shape
     inter, A = two_i // 2, T * top_k
@@ -368,7 +448,7 @@ def fused_moe_triton(
     dot = dot_dtype(x.dtype, _gate_up_kernel)
     # float32 operands multiply in full precision (not TF32), so float32 runs match torch
     precision = "ieee" if dot == tl.float32 else None
-    common = dict(FP8=fp8, DOT=dot, PRECISION=precision, BLOCK_M=block_m)
+    common = dict(FP8=fp8, INT4=kind == "int4", DOT=dot, PRECISION=precision, BLOCK_M=block_m)
 
     xin, xs, w, ws, rows, group = _operands(x, w13)
     block_n, block_k = 64, (block_k_for(group) if fp8 else 64)
@@ -393,19 +473,30 @@ def fused_moe_triton(
 
 def _operands(a: torch.Tensor, w: Weight) -> tuple:
     """(input, its scales, weight data, weight scales, weight scale rows, group) for one
-    GEMM; for run-dtype weights the scale arguments are placeholders the kernel never reads."""
+    GEMM; the arguments a form does not use are placeholders the kernel never reads."""
     if isinstance(w, Fp8Weight):
         aq, scale = per_token_group_quant(a, w.block[1])
         return aq, scale, w.data, w.scale, w.rows, w.block[1]
     none = a.new_empty(1, 1)
-    return a, none, w, a.new_empty(1, 1, 1), a.new_empty(1, dtype=torch.int32), 128
+    no_rows = a.new_empty(1, dtype=torch.int32)
+    if isinstance(w, Int4Weight):  # a scale per weight row: no row map
+        return a, none, w.packed, w.scale, no_rows, w.group_size
+    return a, none, w, a.new_empty(1, 1, 1), no_rows, 128
 
 
-def _check_shapes(x, weights, ids, w13: Weight, w2: Weight) -> bool:
-    """Whether the experts are FP8; ValueError on a contract violation."""
-    fp8 = isinstance(w13, Fp8Weight)
-    if fp8 != isinstance(w2, Fp8Weight):
-        raise ValueError("fused_moe_triton: w13 and w2 must both be FP8 or both tensors")
+def _check_shapes(x, weights, ids, w13: Weight, w2: Weight) -> str | None:
+    """The experts' form: "fp8", "int4" or None (run dtype); ValueError on a contract
+    violation."""
+    kinds = [
+        "fp8" if isinstance(w, Fp8Weight) else "int4" if isinstance(w, Int4Weight) else None
+        for w in (w13, w2)
+    ]
+    if kinds[0] != kinds[1]:
+        raise ValueError(
+            f"fused_moe_triton: w13 is {kinds[0] or 'a tensor'} but w2 is "
+            f"{kinds[1] or 'a tensor'}; both must be held alike"
+        )
+    fp8, quantized = kinds[0] == "fp8", kinds[0] is not None
     T, hidden = x.shape
     n_local, two_i, k13 = w13.shape
     ok = (
@@ -415,7 +506,7 @@ def _check_shapes(x, weights, ids, w13: Weight, w2: Weight) -> bool:
         and k13 == hidden
         and two_i % 2 == 0
         and tuple(w2.shape) == (n_local, hidden, two_i // 2)
-        and (fp8 or (w13.dtype == x.dtype and w2.dtype == x.dtype))
+        and (quantized or (w13.dtype == x.dtype and w2.dtype == x.dtype))
     )
     if not ok:
         raise ValueError(
@@ -427,4 +518,4 @@ def _check_shapes(x, weights, ids, w13: Weight, w2: Weight) -> bool:
     if fp8:
         check_fp8_weight(w13, "fused_moe_triton (w13)")
         check_fp8_weight(w2, "fused_moe_triton (w2)")
-    return fp8
+    return kinds[0]

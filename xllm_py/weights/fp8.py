@@ -1,10 +1,16 @@
-"""FP8 block-quantised weights (DeepSeek-V3's `quant_method: fp8`).
+"""FP8 block-quantised weights (DeepSeek-V3's `quant_method: fp8`, and compressed-tensors'
+FP8_BLOCK scheme).
 
 A quantised weight `W [out, in]` is stored as float8 e4m3 plus
 `weight_scale_inv [ceil(out / B0), ceil(in / B1)]` (float32), where
 `(B0, B1) = quantization_config.weight_block_size`:
 
     W[i, j] = fp8[i, j] * scale_inv[i // B0, j // B1]
+
+compressed-tensors' FP8_BLOCK (`format: float-quantized`, weights `strategy: block`) is the
+same layout with the scales named `weight_scale` and the block in `block_structure`;
+`Fp8Config.stored_suffix` says which name a checkpoint uses, and the loader reads either
+under the one name `weight_scale_inv`.
 
 Edges that are not a multiple of the block size belong to a partial block.
 
@@ -48,14 +54,18 @@ SCALE_FORMATS = (None, "ue8m0")
 class Fp8Config:
     block: tuple[int, int]
     scale_fmt: str | None = None
+    stored_suffix: str = SCALE_SUFFIX  # the scales' name in the checkpoint, after "X.weight"
 
     @classmethod
     def from_quantization_config(cls, qc: dict | None) -> Fp8Config | None:
         if not qc:
             return None
         method = qc.get("quant_method")
-        if method == "compressed-tensors":  # INT4 weights (weights/int4.py, read by the
-            Int4Config.from_quantization_config(qc)  # loader) or refused, naming the field
+        if method == "compressed-tensors":
+            if qc.get("format") == "float-quantized":
+                return cls._compressed_tensors(qc)
+            # INT4 weights (weights/int4.py, read by the loader), or refused naming the field
+            Int4Config.from_quantization_config(qc)
             return None
         if method != "fp8":
             raise ValueError(
@@ -76,6 +86,36 @@ class Fp8Config:
             )
         return cls((int(block[0]), int(block[1])), scale_fmt)
 
+    @classmethod
+    def _compressed_tensors(cls, qc: dict) -> Fp8Config:
+        """compressed-tensors FP8_BLOCK: e4m3 weights with block scales `weight_scale`;
+        activations, if listed, quantised on the fly (this engine multiplies in the run
+        dtype or with its own dynamic per-token quantisation). Static activation scales
+        and other weight strategies are refused, naming the field."""
+        blocks = set()
+        for name, group in (qc.get("config_groups") or {}).items():
+            w, where = group.get("weights") or {}, f"quantization_config.config_groups.{name}"
+            want = dict(num_bits=8, type="float", symmetric=True, strategy="block")
+            for key, value in want.items():
+                if w.get(key) != value:
+                    raise ValueError(
+                        f"{where}.weights.{key}={w.get(key)!r} is not supported; need {value!r} "
+                        "(FP8_BLOCK)"
+                    )
+            acts = group.get("input_activations")
+            if acts and not acts.get("dynamic"):
+                raise ValueError(
+                    f"{where}.input_activations.dynamic={acts.get('dynamic')!r}: static "
+                    "activation scales are not supported; need dynamic"
+                )
+            block = w.get("block_structure")
+            if not block or len(block) != 2:
+                raise ValueError(f"{where}.weights.block_structure={block!r}: need [rows, cols]")
+            blocks.add((int(block[0]), int(block[1])))
+        if len(blocks) != 1:
+            raise ValueError(f"quantization_config: need one FP8 block_structure, got {blocks}")
+        return cls(blocks.pop(), None, "_scale")
+
     def check_scales(self, name: str, scale: torch.Tensor) -> None:
         """Under ue8m0 every scale must be a power of two: a checkpoint that says ue8m0 and
         is not was converted wrongly, and a kernel that trusts the format would misread it."""
@@ -88,6 +128,20 @@ class Fp8Config:
 
 def is_scale(name: str) -> bool:
     return name.endswith(SCALE_SUFFIX)
+
+
+def scale_aliases(names, fp8: Fp8Config | None) -> dict[str, str]:
+    """For a checkpoint that stores its block scales under another name (compressed-tensors'
+    `X.weight_scale`): {"X.weight_scale_inv": "X.weight_scale"} for every weight that has
+    them; {} for DeepSeek's own layout."""
+    if fp8 is None or fp8.stored_suffix == SCALE_SUFFIX:
+        return {}
+    names = set(names)
+    return {
+        n[: -len(fp8.stored_suffix)] + SCALE_SUFFIX: n
+        for n in names
+        if n.endswith(".weight" + fp8.stored_suffix) and n[: -len(fp8.stored_suffix)] in names
+    }
 
 
 @functools.lru_cache(maxsize=1024)  # shared by the many weights of one layout (read-only)

@@ -13,15 +13,30 @@ q + 8 in [0, 15]; word j of a row holds columns 8j .. 8j+7, column 8j+i in bits 
 
     W[o, k] = q[o, k] * scale[o, k // group_size]
 
-The loader (weights/loader.py) reads such a weight under its logical name `X.weight`,
-dequantised at load to the run dtype.
+The loader (weights/loader.py) lists such a weight once, under its logical name
+`X.weight`. Two ways to hold it (--weight_dtype):
+  dequantised at load  into the run dtype (`dequantize_int4`); the model never sees a word.
+  kept packed          `Int4Weight` (--weight_dtype int4; auto on CUDA): the routed experts
+                       of a model built inside `int4_resident(group)` hold the checkpoint's
+                       int32 words and group scales (in the checkpoint's dtype, bf16 for
+                       Kimi-K2-Thinking): about 0.28 of their bf16 bytes at group 32. A
+                       rank's slice may cut rows anywhere; a cut of the input columns must
+                       fall on a group and a word (the loader refuses others, naming the
+                       tensor). Each matmul unpacks and scales (`Int4Weight.dequant`, torch;
+                       on the fused-MoE path ops/fused_moe.py's kernels do it tile by tile).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 PACKED, SCALE, SHAPE = "_packed", "_scale", "_shape"  # suffixes after "X.weight"
 SUFFIXES = (PACKED, SCALE, SHAPE)
@@ -129,3 +144,158 @@ def quantization_config(group_size: int) -> dict:
             "re:.*mlp\\.(gate|up|down)_proj.*",
         ],
     }  # fmt: skip
+
+
+# ---- INT4 kept packed on the device ------------------------------------------------------------
+
+# The model being built keeps its routed experts packed with this group size (None: no).
+_RESIDENT_GROUP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "int4_resident_group", default=None
+)
+# Linears built now hold packed words (set by a MoE layer around its routed experts).
+_PACKED_GROUP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "int4_packed_group", default=None
+)
+
+
+@contextlib.contextmanager
+def _scoped(var: contextvars.ContextVar, value) -> Iterator[None]:
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def int4_resident(group_size: int | None):
+    """While a model is built: its MoE layers keep their routed experts packed INT4 with
+    `group_size` scales (None: no change). Only the routed experts: Kimi-K2-Thinking
+    quantises nothing else."""
+    return _scoped(_RESIDENT_GROUP, group_size)
+
+
+def resident_group() -> int | None:
+    return _RESIDENT_GROUP.get()
+
+
+def packed_linears(group_size: int | None):
+    """While linears are built (models/layers/linear.py): they hold packed words and
+    `group_size` scales instead of a run-dtype weight (None: no change)."""
+    return _scoped(_PACKED_GROUP, group_size)
+
+
+def packed_group() -> int | None:
+    return _PACKED_GROUP.get()
+
+
+@dataclass(frozen=True)
+class PackedSlice:
+    """What the loader needs to fill an INT4-resident linear's `weight_packed` and
+    `weight_scale` (attached to the former as `.int4`): the logical shape this rank holds
+    (out, in), its `Shard` of the whole weight (models/layers/linear.py; None: whole), the
+    group size."""
+
+    local: tuple[int, int]
+    shard: Any
+    group_size: int
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., W] -> their 4-bit fields, uint8 in [0, 15], [..., 8 * W] (column
+    order). Byte b of a word (little-endian memory) holds its columns 2b (low nibble) and
+    2b + 1 (high), so a uint8 view unpacks with no int32 temporaries."""
+    b = packed.contiguous().view(torch.uint8)  # [..., 4 * W]
+    return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
+
+
+if sys.byteorder != "little":  # unpack_nibbles reads the words' bytes in memory order
+    raise ImportError("xllm_py.weights.int4 assumes a little-endian host")
+
+
+def dequant_packed(
+    packed: torch.Tensor, scale: torch.Tensor, cols: int, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """W [..., out, cols] in `dtype` from packed words [..., out, ceil(cols / 8)] and group
+    scales [..., out, ceil(cols / group_size)]. The product q * scale is exact in float32;
+    a bf16 multiply rounds that exact product once, so float32 and bf16 give the values
+    `dequantize_int4` gives (float32 product, then cast). fp16, whose range is narrower than
+    a bf16 scale's, goes through float32."""
+    work = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+    q = unpack_nibbles(packed)[..., :cols].to(work) - 8
+    s = scale.to(work)
+    groups = s.shape[-1]
+    if cols == groups * group_size:  # whole groups: broadcast, no expanded scale copy
+        w = (q.unflatten(-1, (groups, group_size)) * s.unsqueeze(-1)).flatten(-2)
+    else:
+        w = q * s.repeat_interleave(group_size, dim=-1)[..., :cols]
+    return w.to(dtype)
+
+
+class Int4Weight(nn.Module):
+    """A packed INT4 matrix (a stack of experts' when it has leading dims):
+
+        packed  [..., out, ceil(cols / 8)]           int32, the checkpoint's words
+        scale   [..., out, ceil(cols / group_size)]  the checkpoint's dtype (bf16)
+        W[..., o, k] = (nibble k of row o - 8) * scale[..., o, k // group_size]
+
+    `shape` is the logical [..., out, cols]."""
+
+    def __init__(
+        self, packed: torch.Tensor, scale: torch.Tensor, cols: int, group_size: int
+    ) -> None:
+        super().__init__()
+        words, groups = -(-cols // PACK), -(-cols // group_size)
+        if packed.dtype != torch.int32 or packed.shape[-1] != words:
+            raise ValueError(
+                f"Int4Weight: packed {tuple(packed.shape)} {packed.dtype} does not hold "
+                f"{cols} columns ({words} int32 words a row)"
+            )
+        if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] != groups:
+            raise ValueError(
+                f"Int4Weight: scale {tuple(scale.shape)} does not fit packed "
+                f"{tuple(packed.shape)}, {cols} columns, group {group_size}"
+            )
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", scale)
+        self.cols = cols
+        self.group_size = group_size
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.packed.shape[:-1], self.cols))
+
+    def dequant(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequant_packed(self.packed, self.scale, self.cols, self.group_size, dtype)
+
+    def __getitem__(self, index) -> Int4Weight:
+        """Experts of a stack: `index` an int or a tensor of ids."""
+        return Int4Weight(self.packed[index], self.scale[index], self.cols, self.group_size)
+
+    @staticmethod
+    def _check_alike(parts: list[Int4Weight], what: str) -> None:
+        layouts = {(p.cols, p.group_size, p.scale.dtype) for p in parts}
+        if len(layouts) != 1:
+            raise ValueError(
+                f"INT4 weights {what} must share columns, group size and scale dtype; got "
+                f"{sorted(map(str, layouts))}"
+            )
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        """Concatenated along the output rows (fused gate|up): rows carry their own scales,
+        so any row counts fuse."""
+        Int4Weight._check_alike(parts, "fused along rows")
+        packed = torch.cat([p.packed for p in parts], dim=-2)
+        scale = torch.cat([p.scale for p in parts], dim=-2)
+        return Int4Weight(packed, scale, parts[0].cols, parts[0].group_size)
+
+    @staticmethod
+    def stack(parts: list[Int4Weight]) -> Int4Weight:
+        """Experts' matrices of one layout stacked on a new leading dim."""
+        Int4Weight._check_alike(parts, "stacked")
+        packed = torch.stack([p.packed for p in parts])
+        scale = torch.stack([p.scale for p in parts])
+        return Int4Weight(packed, scale, parts[0].cols, parts[0].group_size)
+
+    def extra_repr(self) -> str:
+        return f"shape={tuple(self.shape)}, group_size={self.group_size}, scale={self.scale.dtype}"

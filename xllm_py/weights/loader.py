@@ -2,11 +2,16 @@
 
 One tensor at a time, so peak memory is the model plus about one tensor per reading
 thread (one thread per shard file, up to `LOAD_THREADS`). Single-file and sharded
-(`model.safetensors.index.json`) layouts are both accepted. FP8 block-quantised
+(`model.safetensors.index.json`) layouts are both accepted, and so is Mistral's own
+(`params.json`, Mistral's tensor names: weights/mistral.py), whose tensors are listed under
+the model's names. FP8 block-quantised
 weights are either dequantised on the way (`weights.fp8`) or, for a model built
-FP8-resident, copied as float8 with their scale blocks. Every mismatch is an error that
+FP8-resident, copied as float8 with their scale blocks. INT4 pack-quantized weights
+(`weights.int4`) are either dequantised at load or, where the model keeps them packed
+(`X.weight_packed` and `X.weight_scale` in place of `X.weight`), copied as stored: the
+words and group scales of this rank's rows and columns. Every mismatch is an error that
 names the tensor: unexpected names, missing names, shapes (checkpoint vs model),
-unreadable or missing shard files.
+unreadable or missing shard files, a packed slice whose columns start inside a group.
 
 Tensor/expert parallel models load the same checkpoint on every rank, and each rank
 reads only what it holds: a parameter with a `shard` (models/layers/linear.py `Shard`)
@@ -19,6 +24,7 @@ read (`LoadStats`: bytes and seconds).
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -33,8 +39,17 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
-from xllm_py.weights import int4
-from xllm_py.weights.fp8 import FP8, SCALE_SUFFIX, Fp8Config, covering, dequantize, is_scale
+from xllm_py.config import read_config_dict
+from xllm_py.weights import int4, mistral
+from xllm_py.weights.fp8 import (
+    FP8,
+    SCALE_SUFFIX,
+    Fp8Config,
+    covering,
+    dequantize,
+    is_scale,
+    scale_aliases,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 # A safetensors file that may sit beside the weights without being one: the token map of
@@ -87,8 +102,7 @@ def _is_packed(name: str) -> bool:
 
 
 def _int4_config(path: Path) -> int4.Int4Config:
-    cfg_file = path / "config.json"
-    qc = json.loads(cfg_file.read_text()).get("quantization_config") if cfg_file.is_file() else None
+    qc = read_config_dict(path).get("quantization_config")
     found = int4.Int4Config.from_quantization_config(qc)
     if found is None:
         raise ValueError(
@@ -108,7 +122,16 @@ class Checkpoint:
 
     def __init__(self, path: str | Path, fp8: Fp8Config | None = None) -> None:
         self.path = Path(path)
-        self.files = tensor_files(path)
+        stored = tensor_files(path)
+        # Tensors are listed under the names the model uses: a Mistral-layout checkpoint's
+        # (weights/mistral.py) and compressed-tensors' `weight_scale` scales are renamed;
+        # `stored` maps such a name back to the one in the file.
+        logical = mistral.name_map(list(stored)) if mistral.is_mistral_layout(path) else None
+        logical = logical or {n: n for n in stored}
+        for name, alias_of in scale_aliases(logical, fp8).items():
+            logical[name] = logical.pop(alias_of)
+        self.stored = {n: s for n, s in logical.items() if n != s}
+        self.files = {n: stored[s] for n, s in logical.items()}
         self.fp8 = fp8
         self.bytes_read = 0  # by `read`, over this object's life
         self._lock = threading.Lock()
@@ -125,6 +148,15 @@ class Checkpoint:
         """Weight names (FP8 scale tensors are part of their weight, not listed; an INT4
         weight is listed once, as `X.weight`)."""
         return [n for n in self.files if not is_scale(n) and not self._int4_part(n)]
+
+    def describe(self, name: str) -> str:
+        """`name` for an error message: with its name in the file when that differs."""
+        if mistral.is_mistral_layout(self.path):
+            try:
+                return f"{name} ({mistral.mistral_name(name)} in Mistral's names)"
+            except ValueError:
+                return name
+        return name if name not in self.stored else f"{name} (stored as {self.stored[name]})"
 
     def _int4_part(self, name: str) -> bool:
         base, _, suffix = name.rpartition("_")
@@ -158,8 +190,9 @@ class Checkpoint:
         comes dequantised to float32, whole, then sliced."""
         if name in self.int4:
             return self._read_int4(name, index)
+        key = self.stored.get(name, name)
         try:
-            t = st.get_tensor(name) if index is None else st.get_slice(name)[index]
+            t = st.get_tensor(key) if index is None else st.get_slice(key)[index]
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{self.files[name]}: cannot read tensor {name!r} ({e})") from None
         with self._lock:
@@ -170,7 +203,7 @@ class Checkpoint:
         if name in self.int4:
             with _open(self.files[name + int4.SHAPE]) as f:
                 return tuple(int(d) for d in self.read(f, name + int4.SHAPE).tolist())
-        return tuple(st.get_slice(name).get_shape())
+        return tuple(st.get_slice(self.stored.get(name, name)).get_shape())
 
     def _read_int4(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
         parts = {}
@@ -233,15 +266,16 @@ def load_weights(
     `select(name)` gives the model name a checkpoint tensor loads into, or None to
     leave it (it belongs to another model, e.g. the MTP draft). Tensors held by
     another rank are not read; sharded parameters read their slice; FP8-resident
-    parameters take the float8 data and their `weight_scale_inv` blocks. Shard files
-    are read in parallel threads. Raises ValueError naming the first unexpected,
-    mis-shaped or missing tensor.
+    parameters take the float8 data and their `weight_scale_inv` blocks; packed INT4
+    ones their words and group scales. Shard files are read in parallel threads. Raises
+    ValueError naming the first unexpected, mis-shaped or missing tensor.
     """
     remote = _remote_prefixes(model)
     wanted = {n: select(n) for n in ckpt.names}
     wanted = {n: t for n, t in wanted.items() if t is not None and not _is_remote(t, remote)}
     _dense_where_stored_dense(model, ckpt, wanted)
     targets = _unique_state(model)
+    wanted = {n: _packed_target(t, targets) for n, t in wanted.items()}
     unexpected = [n for n, t in wanted.items() if t not in targets]
     if unexpected:
         shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
@@ -262,7 +296,7 @@ def load_weights(
         with ThreadPoolExecutor(min(LOAD_THREADS, len(by_file) or 1)) as pool:
             for done in [pool.submit(read_file, f) for f in by_file]:
                 done.result()
-    missing = [n for n in targets if n not in loaded]
+    missing = [ckpt.describe(n) for n in targets if n not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"{ckpt.path}: tensor(s) missing from checkpoint: {shown}")
@@ -273,17 +307,11 @@ def _load_one(ckpt: Checkpoint, st, name: str, target_name: str, targets) -> lis
     """Read checkpoint tensor `name` (this rank's part of it) into `targets[target_name]`;
     the model names it filled."""
     target = targets[target_name]
+    if hasattr(target, "int4"):  # `X.weight_packed` of a linear that keeps INT4 packed
+        return _load_packed(ckpt, st, name, target_name, targets)
     shard = getattr(target, "shard", None)
     expected = tuple(target.shape) if shard is None else shard.full_shape(target.shape)
-    full = ckpt.shape(st, name)
-    if full != expected:
-        split = ""
-        if shard is not None and shard.parts > 1:
-            split = f" (split {shard.parts} ways on dim {shard.dim})"
-        raise ValueError(
-            f"{ckpt.path}: tensor {name!r} has shape {full} in the checkpoint "
-            f"but the model expects {expected}{split}"
-        )
+    full = _checked_shape(ckpt, st, name, expected, shard)
     index = None if shard is None else _index(full, shard)
     t = ckpt.read(st, name, index)
     filled = [target_name]
@@ -313,19 +341,97 @@ def _load_one(ckpt: Checkpoint, st, name: str, target_name: str, targets) -> lis
     return filled
 
 
+def _checked_shape(ckpt: Checkpoint, st, name: str, expected: tuple, shard) -> tuple:
+    """The checkpoint shape of `name`, which must be `expected` (the model's, whole)."""
+    full = ckpt.shape(st, name)
+    if full != expected:
+        split = ""
+        if shard is not None and shard.parts > 1:
+            split = f" (split {shard.parts} ways on dim {shard.dim})"
+        raise ValueError(
+            f"{ckpt.path}: tensor {name!r} has shape {full} in the checkpoint "
+            f"but the model expects {expected}{split}"
+        )
+    return full
+
+
 def _dense_where_stored_dense(model: nn.Module, ckpt: Checkpoint, wanted: dict[str, str]) -> None:
     """An FP8-resident linear whose checkpoint tensor has no block scales (stored in a
-    plain dtype) holds its weight in the run dtype instead."""
+    plain dtype), or a packed INT4 one whose tensor is not INT4, holds its weight in the
+    run dtype instead."""
     for name, target in wanted.items():
         module_name, _, leaf = target.rpartition(".")
-        if leaf != "weight" or name + SCALE_SUFFIX in ckpt.files:
+        if leaf != "weight":
             continue
         try:
             module = model.get_submodule(module_name)
         except AttributeError:
             continue  # not the model's: reported as unexpected below
-        if getattr(module, "block", None) and hasattr(module, "hold_dense"):
+        if not hasattr(module, "hold_dense"):
+            continue
+        fp8_dense = getattr(module, "block", None) and name + SCALE_SUFFIX not in ckpt.files
+        int4_dense = getattr(module, "group", None) and name not in ckpt.int4
+        if fp8_dense or int4_dense:
             module.hold_dense()
+
+
+def _packed_target(target: str, targets: dict[str, torch.Tensor]) -> str:
+    """`X.weight` of a linear that keeps INT4 packed loads into its `X.weight_packed`."""
+    packed = target + int4.PACKED
+    return packed if target not in targets and packed in targets else target
+
+
+def _load_packed(ckpt: Checkpoint, st, name: str, target_name: str, targets) -> list[str]:
+    """INT4 tensor `name` kept packed: this rank's rows and columns of its words and group
+    scales, as stored (scales keep the checkpoint's dtype). A slice of the input columns
+    must start on a group and on a word. Every rank's does when the slice width is a
+    multiple of both; that is what is checked, on every rank alike, so all refuse together."""
+    packed_t = targets[target_name]
+    scale_name = target_name.removesuffix(int4.PACKED) + int4.SCALE
+    scale_t, spec = targets[scale_name], packed_t.int4
+    shard, group = spec.shard, spec.group_size
+    expected = spec.local if shard is None else shard.full_shape(spec.local)
+    full = _checked_shape(ckpt, st, name, expected, shard)
+    if name not in ckpt.int4 or ckpt.int4_group != group:
+        raise ValueError(
+            f"{ckpt.path}: tensor {name!r} is not INT4 with group_size {group} in the "
+            "checkpoint, but the model keeps it packed so (--weight_dtype int4)"
+        )
+    (r0, rows), (c0, cols) = _spans(full, shard)
+    if cols != full[1] and cols % math.lcm(group, int4.PACK):
+        raise ValueError(
+            f"{ckpt.path}: INT4 tensor {name!r} {list(full)} split {shard.parts} ways on its "
+            f"input dim gives each rank {cols} columns, not a multiple of its group size "
+            f"{group} and of the {int4.PACK} values a packed word holds; kept packed "
+            "(--weight_dtype int4), a split must fall on both. Use --weight_dtype bf16 "
+            "(dequantised at load), or expert parallelism (--ep_size = --tp: experts whole)"
+        )
+    r, words = slice(r0, r0 + rows), slice(c0 // int4.PACK, -(-(c0 + cols) // int4.PACK))
+    groups = slice(c0 // group, -(-(c0 + cols) // group))
+    packed = ckpt.read(st, name + int4.PACKED, (r, words))
+    with _open(ckpt.files[name + int4.SCALE]) as sf:
+        scale = ckpt.read(sf, name + int4.SCALE, (r, groups))
+    for got, t, part in ((packed, packed_t, int4.PACKED), (scale, scale_t, int4.SCALE)):
+        if tuple(got.shape) != tuple(t.shape) or (part == int4.PACKED and got.dtype != t.dtype):
+            raise ValueError(
+                f"{ckpt.path}: {name + part!r}: this rank's part is {tuple(got.shape)} "
+                f"{got.dtype}; the model expects {tuple(t.shape)} {t.dtype}"
+            )
+    with torch.no_grad():
+        packed_t.copy_(packed)
+        if scale.dtype == scale_t.dtype:
+            scale_t.copy_(scale)
+        else:  # declared bf16 (Kimi-K2-Thinking's); held in the checkpoint's own dtype
+            scale_t.data = scale.to(scale_t.device)
+    return [target_name, scale_name]
+
+
+def _spans(full: tuple[int, int], shard) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((first row, rows), (first column, columns)) of this rank's part of [out, in]."""
+    spans = [(0, full[0]), (0, full[1])]
+    if shard is not None:
+        spans[shard.dim] = shard.span(full[shard.dim])
+    return spans[0], spans[1]
 
 
 def _index(full: tuple[int, ...], shard) -> tuple[slice, ...]:

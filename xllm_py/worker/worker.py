@@ -32,6 +32,7 @@ from xllm_py.parallel.context import SINGLE, ParallelContext
 from xllm_py.speculative.hot_vocab import TOKEN_MAP_FILE, HotVocabHead, load_token_map
 from xllm_py.speculative.mtp_proposer import MTPProposer
 from xllm_py.weights.fp8 import Fp8Config, fp8_resident
+from xllm_py.weights.int4 import int4_resident
 from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
 from xllm_py.worker.graph_runner import GraphRunner
 from xllm_py.worker.model_runner import ModelRunner
@@ -72,6 +73,33 @@ def resident_fp8_block(config: EngineConfig, device: torch.device) -> tuple[int,
     return fp8.block if choice == "fp8" else None
 
 
+def resident_int4_group(config: EngineConfig, device: torch.device, ckpt: Checkpoint) -> int | None:
+    """The INT4 group size when this worker keeps the checkpoint's INT4 routed experts
+    packed (--weight_dtype int4; auto: on CUDA with graph mode off, where the fused MoE
+    kernels unpack tile by tile), None when it dequantises them at load (or has none). On
+    CPU auto dequantises, as it does FP8: there each matmul would unpack a whole expert
+    in torch."""
+    choice = config.device.weight_dtype
+    if not ckpt.int4:
+        if choice == "int4":
+            raise ValueError(
+                "weight_dtype=int4: the checkpoint has no INT4 pack-quantized tensors "
+                "(*.weight_packed; compressed-tensors' format, as Kimi-K2-Thinking ships); "
+                "use weight_dtype=auto"
+            )
+        return None
+    if choice == "auto":
+        choice = "int4" if not config.device.enable_graph and device.type == "cuda" else ""
+    logger.info(
+        "INT4 checkpoint: %d tensors %s",
+        len(ckpt.int4),
+        f"kept packed (group {ckpt.int4_group} scales)"
+        if choice == "int4"
+        else "dequantised at load",
+    )
+    return ckpt.int4_group if choice == "int4" else None
+
+
 def load_target_model(
     config: EngineConfig,
     device: torch.device,
@@ -81,8 +109,8 @@ def load_target_model(
     """The target model, holding this rank's shard (`parallel`; default: all of it)."""
     mcfg = config.model
     ckpt = Checkpoint(mcfg.path, Fp8Config.from_quantization_config(mcfg.quantization_config))
-    block = resident_fp8_block(config, device)
-    with default_dtype(dtype), torch.device(device), fp8_resident(block):
+    block, group = resident_fp8_block(config, device), resident_int4_group(config, device, ckpt)
+    with default_dtype(dtype), torch.device(device), fp8_resident(block), int4_resident(group):
         model = DeepseekV3ForCausalLM(mcfg, parallel)
     n = mcfg.num_hidden_layers
 
@@ -122,9 +150,10 @@ def load_draft_model(
             f"the last one is supported only with a single MTP layer; use at most {num_mtp}"
         )
     # An exported draft is dequantised (tools/export_deepseek_mtp.py); the MTP layer in an
-    # FP8 checkpoint is held like the target's layers.
+    # FP8 or INT4 checkpoint is held like the target's layers.
     block = None if draft_path else resident_fp8_block(config, device)
-    with default_dtype(dtype), torch.device(device), fp8_resident(block):
+    group = None if draft_path else resident_int4_group(config, device, ckpt)
+    with default_dtype(dtype), torch.device(device), fp8_resident(block), int4_resident(group):
         draft = DeepseekV3MTP(mcfg, target, num_mtp, parallel)
     mapping = draft_name_map(ckpt.names, mcfg.num_hidden_layers, num_mtp, exported=bool(draft_path))
     stats = load_weights(

@@ -15,8 +15,11 @@ contiguously, so a block of whole heads lands on each rank.
 FP8-resident (weights/fp8.py): a quantisable linear built inside `fp8_resident(block)`
 holds `weight` as float8 plus `weight_scale_inv`, the scale blocks its slice touches
 (`Shard.blocks` tells the loader which); after loading both become one `Fp8Weight`.
-Code that multiplies by a weight goes through `linear`, `cat_weights`, `stack_weights`
-and `dense`, which take either form.
+INT4 kept packed (weights/int4.py): a linear built inside `int4.packed_linears(group)`
+(a MoE layer's routed experts under --weight_dtype int4) holds `weight_packed` (int32
+words) and `weight_scale` (group scales) of its slice instead of `weight`; after loading
+both become one `Int4Weight`. Code that multiplies by a weight goes through `linear`,
+`cat_weights`, `stack_weights` and `dense`, which take any of the three forms.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from torch import nn
 
 from xllm_py.ops.fp8_gemm import fp8_linear
 from xllm_py.parallel.context import SINGLE, ParallelContext
+from xllm_py.weights import int4
 from xllm_py.weights.fp8 import FP8, Fp8Weight, block_index, resident_block
+from xllm_py.weights.int4 import Int4Weight
 
 
 @dataclass(frozen=True)
@@ -79,16 +84,21 @@ class BlockShard:
 
 
 class Linear(nn.Module):
-    """Built inside `fp8_resident`, the weight starts FP8-resident; the loader turns it back
-    to the run dtype (`hold_dense`) if the checkpoint stores it unquantised (checkpoints
-    differ on e.g. the MTP layer's eh_proj)."""
+    """Built inside `fp8_resident`, the weight starts FP8-resident; inside
+    `int4.packed_linears`, packed INT4 (`group`: its group size). The loader turns either
+    back to the run dtype (`hold_dense`) if the checkpoint stores it unquantised
+    (checkpoints differ on e.g. the MTP layer's eh_proj)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.block = resident_block()
+        self.group = int4.packed_group()
+        self.block = None if self.group else resident_block()
         self.dense_dtype = torch.get_default_dtype()
+        if self.group:
+            self._packed(None)
+            return
         dtype = FP8 if self.block else None
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
@@ -97,16 +107,30 @@ class Linear(nn.Module):
             self._scales(None)
 
     def hold_dense(self) -> None:
-        """Hold the weight in the run dtype instead of FP8 (before loading)."""
-        shard = getattr(self.weight, "shard", None)
+        """Hold the weight in the run dtype instead of FP8 or packed INT4 (before loading)."""
+        if self.group:
+            shard, device = self.weight_packed.int4.shard, self.weight_packed.device
+            del self.weight_packed, self.weight_scale
+        else:
+            shard, device = getattr(self.weight, "shard", None), self.weight.device
+            del self.weight_scale_inv
         self.weight = nn.Parameter(
-            torch.empty(self.weight.shape, dtype=self.dense_dtype, device=self.weight.device),
+            torch.empty(self.out_features, self.in_features, dtype=self.dense_dtype,
+                        device=device),
             requires_grad=False,
-        )
+        )  # fmt: skip
         if shard is not None:
             self.weight.shard = shard
-        del self.weight_scale_inv
-        self.block = None
+        self.block = self.group = None
+
+    def _packed(self, shard: Shard | None) -> None:
+        """(Re)declare the packed words and group scales of this rank's slice `shard`.
+        Scales are declared bf16, Kimi-K2-Thinking's; the loader keeps a checkpoint's own."""
+        out, cols = self.out_features, self.in_features
+        words, groups = -(-cols // int4.PACK), -(-cols // self.group)
+        self.register_buffer("weight_packed", torch.empty(out, words, dtype=torch.int32))
+        self.register_buffer("weight_scale", torch.empty(out, groups, dtype=torch.bfloat16))
+        self.weight_packed.int4 = int4.PackedSlice((out, cols), shard, self.group)
 
     def _scales(self, shard: Shard | None) -> None:
         """(Re)declare `weight_scale_inv` for this rank's slice `shard` of the weight."""
@@ -122,13 +146,21 @@ class Linear(nn.Module):
         self.weight_scale_inv.shard = bs
 
     def shard_weight(self, shard: Shard) -> None:
+        if self.group:
+            self._packed(shard)
+            return
         self.weight.shard = shard
         if self.block:
             self._scales(shard)
 
     def process_weights_after_loading(self) -> None:
-        if isinstance(self.weight, Fp8Weight):
+        if isinstance(getattr(self, "weight", None), Fp8Weight | Int4Weight):
             return  # done already (by a parent that needed the weight first)
+        if self.group:
+            w = Int4Weight(self.weight_packed, self.weight_scale, self.in_features, self.group)
+            del self.weight_packed, self.weight_scale
+            self.weight = w
+            return
         if not self.block:
             self.weight.data = gemm_layout(self.weight.data)
             return
@@ -149,6 +181,7 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         fmt = f", fp8 block={self.block}" if self.block else ""
+        fmt += f", int4 group={self.group}" if self.group else ""
         return f"in={self.in_features}, out={self.out_features}{fmt}"
 
 
@@ -190,33 +223,47 @@ class RowParallelLinear(Linear):
         return self.parallel.all_reduce(y) if self.reduce else y
 
 
-Weight = torch.Tensor | Fp8Weight
+Weight = torch.Tensor | Fp8Weight | Int4Weight
+QUANTIZED = (Fp8Weight, Int4Weight)
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """x @ w^T for a run-dtype or FP8-resident weight."""
-    return fp8_linear(x, w) if isinstance(w, Fp8Weight) else F.linear(x, w)
+    """x @ w^T for a run-dtype, FP8-resident or packed INT4 weight (unpacked and scaled
+    for this call: the torch form; the fused MoE kernels unpack tile by tile)."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w)
+    if isinstance(w, Int4Weight):
+        return F.linear(x, w.dequant(x.dtype))
+    return F.linear(x, w)
 
 
 def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in `dtype` (dequantised if FP8-resident), for code that reshapes it."""
-    return w.dequant(dtype) if isinstance(w, Fp8Weight) else w
+    """The weight in `dtype` (dequantised if quantised), for code that reshapes it."""
+    return w.dequant(dtype) if isinstance(w, QUANTIZED) else w
 
 
 def cat_weights(parts: list[Weight]) -> Weight:
     """Matrices fused along their output rows, in the form they are held."""
-    if all(isinstance(p, Fp8Weight) for p in parts):
-        return Fp8Weight.cat(parts)
-    # run-dtype parts (an FP8 part beside a checkpoint's unquantised one is dequantised)
-    dtype = next(p.dtype for p in parts if not isinstance(p, Fp8Weight))
-    return gemm_layout(torch.cat([dense(p, dtype) for p in parts]))
+    for kind in QUANTIZED:
+        if all(isinstance(p, kind) for p in parts):
+            return kind.cat(parts)
+    return gemm_layout(torch.cat(_dense_parts(parts)))
 
 
 def stack_weights(parts: list[Weight]) -> Weight:
     """Experts' matrices stacked on a new leading dim, in the form they are held."""
-    if isinstance(parts[0], Fp8Weight):
-        return Fp8Weight.stack(parts)
-    return gemm_layout(torch.stack(parts))
+    for kind in QUANTIZED:
+        if all(isinstance(p, kind) for p in parts):
+            return kind.stack(parts)
+    return gemm_layout(torch.stack(_dense_parts(parts)))
+
+
+def _dense_parts(parts: list[Weight]) -> list[torch.Tensor]:
+    """Run-dtype parts; a quantised part beside a checkpoint's unquantised one (a fused
+    or stacked matrix holds one form) is dequantised to the latter's dtype."""
+    plain = [p.dtype for p in parts if not isinstance(p, QUANTIZED)]
+    dtype = plain[0] if plain else torch.get_default_dtype()
+    return [dense(p, dtype) for p in parts]
 
 
 def gemm_layout(w: torch.Tensor) -> torch.Tensor:

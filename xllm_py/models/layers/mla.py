@@ -33,7 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_py.config import ModelConfig
+from xllm_py.models.attention_layout import expanded_mask
 from xllm_py.models.context import AttnGroup, get_forward_context
+from xllm_py.models.layers.indexer import Indexer
 from xllm_py.models.layers.linear import (
     ColumnParallelLinear,
     Linear,
@@ -80,6 +82,8 @@ class MLAttention(nn.Module):
             cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), parallel
         )
         self.o_proj = RowParallelLinear(heads * cfg.v_head_dim, hidden, parallel)
+        # DeepSeek-V3.2's sparse attention: each query attends to the tokens its indexer picks
+        self.indexer = Indexer(cfg) if cfg.index_topk else None
         # The absorbed form's kernel (ops/backends.py; the worker may install another).
         self.paged_mla = paged_mla_torch
         # The rotary kernel, chosen with the attention backend: models/layers/rope.py's
@@ -105,13 +109,18 @@ class MLAttention(nn.Module):
         self.w_uk = w[:, : self.nope_dim, :].contiguous()  # [H, nope, kv_lora]
         self.w_uv = w[:, self.nope_dim :, :].transpose(1, 2).contiguous()  # [H, kv_lora, v]
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, q_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `q_scale` [T] multiplies each token's query (Llama-4
+        scaling: its attention logits), after the rotation as HF's Mistral-4 does."""
         T = x.shape[0]
         q, c_kv, k_pe = linear(x, self.w_in).split(
             [self.q_in_dim, self.kv_lora_rank, self.rope_dim], dim=-1
         )
         if self.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(q))
+            q_resid = self.q_a_layernorm(q)
+            q = self.q_b_proj(q_resid)
         q = q.view(T, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         # One rotation for the query heads and the shared key together: [T, H + 1, rope].
@@ -119,18 +128,27 @@ class MLAttention(nn.Module):
             [self.num_heads, 1], dim=1
         )
         k_pe = k_pe.squeeze(1)
+        if q_scale is not None:
+            s = q_scale.view(T, 1, 1).to(q_nope.dtype)
+            q_nope, q_pe = q_nope * s, q_pe * s
 
         ctx = get_forward_context()
         cache = ctx.kv_caches[self.cache_index]  # [num_blocks, block_size, kv_lora + rope]
-        new = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
-        cache.view(-1, cache.shape[-1]).index_copy_(0, ctx.slot_mapping, new)
+        new = [self.kv_a_layernorm(c_kv), k_pe]
+        iq = None  # DSA: the indexer's queries and head weights, its key cached beside c_kv
+        if self.indexer is not None:
+            new.append(self.indexer.key(x, rope))
+            iq = self.indexer.query(x, q_resid, rope)
+        cache.view(-1, cache.shape[-1]).index_copy_(0, ctx.slot_mapping, torch.cat(new, dim=-1))
 
         if len(ctx.groups) == 1 and ctx.groups[0].q_index is None:
-            out = self._attend(q_nope, q_pe, cache, ctx.groups[0])
+            out = self._attend(q_nope, q_pe, cache, ctx.groups[0], iq)
         else:
             out = x.new_empty(T, self.num_heads, self.v_dim)
             for group in ctx.groups:
-                o = self._attend(q_nope[group.q_index], q_pe[group.q_index], cache, group)
+                at = group.q_index
+                rows = None if iq is None else (iq[0][at], iq[1][at])
+                o = self._attend(q_nope[at], q_pe[at], cache, group, rows)
                 if group.q_valid is None:
                     out[group.q_index.view(-1)] = o
                 else:
@@ -141,14 +159,24 @@ class MLAttention(nn.Module):
         self.paged_mla = kernels.paged_mla()
         self.rotate = apply_rope_triton if kernels.attention == "triton" else apply_rope
 
-    def _attend(self, q_nope, q_pe, cache, g: AttnGroup) -> torch.Tensor:
-        """q_nope [B*Q (or B, Q), H, nope], q_pe [.., H, rope] -> [B * Q, H, v]."""
-        if g.absorbed:
+    def _attend(self, q_nope, q_pe, cache, g: AttnGroup, iq=None) -> torch.Tensor:
+        """q_nope [B*Q (or B, Q), H, nope], q_pe [.., H, rope] -> [B * Q, H, v]; `iq`: the
+        indexer's queries and weights for these rows (DSA: the expanded form, top-k masked)."""
+        if g.absorbed and iq is None:
             return self._absorbed(q_nope, q_pe, cache, g)
         num_blocks, block_size, dim = cache.shape
         # index_select copies whole rows (one block each); [] indexing goes element by element.
         kv = cache.view(num_blocks, -1).index_select(0, g.kv_blocks.reshape(-1))
-        return self._expanded(q_nope, q_pe, kv.view(g.batch, -1, dim), g)  # kv [B, L, dim]
+        kv = kv.view(g.batch, -1, dim)  # [B, L, dim]
+        if iq is None:
+            return self._expanded(q_nope, q_pe, kv, g.mask, g)
+        width = self.kv_lora_rank + self.rope_dim
+        mla, keys = kv.split([width, dim - width], dim=-1)
+        visible = g.mask if g.mask is not None else expanded_mask(g, kv.shape[1])
+        B, Q = g.batch, g.q_len
+        q, w = iq[0].reshape(B, Q, *iq[0].shape[-2:]), iq[1].reshape(B, Q, -1)
+        chosen = self.indexer.select(q, w, keys, visible[:, 0])
+        return self._expanded(q_nope, q_pe, mla, chosen.unsqueeze(1), g)
 
     def _absorbed(self, q_nope, q_pe, cache, g: AttnGroup) -> torch.Tensor:
         """Attention over the cached latents, read in place through the block table."""
@@ -168,7 +196,7 @@ class MLAttention(nn.Module):
         o = torch.bmm(o_lat.reshape(B * Q, H, -1).transpose(0, 1), self.w_uv)  # [H, BQ, v]
         return o.transpose(0, 1)
 
-    def _expanded(self, q_nope, q_pe, kv, g: AttnGroup) -> torch.Tensor:
+    def _expanded(self, q_nope, q_pe, kv, mask, g: AttnGroup) -> torch.Tensor:
         H, B, Q = self.num_heads, g.batch, g.q_len
         L = kv.shape[1]
         c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -179,7 +207,7 @@ class MLAttention(nn.Module):
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=g.mask,
+            attn_mask=mask,
             scale=self.scale,
         )  # [B, H, Q, v]
         return o.transpose(1, 2).reshape(B * Q, H, self.v_dim)

@@ -22,6 +22,11 @@ ep_size > 1: this rank holds experts [first_expert, first_expert + E/ep) whole
 ranks' experts are `remote_weight_prefixes`, which the loader skips) and runs
 only the assignments to them. Either way the routed and shared partial sums are
 added and all-reduced once.
+
+Held weights (`w13`, `w2`): run-dtype tensors, FP8-resident `Fp8Weight`s
+(weights/fp8.py), or, built inside `int4.int4_resident(group)` (--weight_dtype int4),
+packed INT4 `Int4Weight`s (weights/int4.py): the routed experts only, the shared experts
+stay in the run dtype as Kimi-K2-Thinking stores them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from xllm_py.config import ModelConfig
 from xllm_py.models.layers.linear import Weight, cat_weights, dense, stack_weights
 from xllm_py.models.layers.mlp import MLP, swiglu
 from xllm_py.parallel.context import SINGLE, ParallelContext
+from xllm_py.weights import int4
 
 if TYPE_CHECKING:
     from xllm_py.ops.backends import Kernels
@@ -107,18 +113,19 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         # Under expert parallelism an owned expert is whole on this rank.
         expert_parallel = SINGLE if ep > 1 else parallel
-        self.experts = nn.ModuleDict(
-            {
-                str(e): MLP(
-                    cfg.hidden_size,
-                    cfg.moe_intermediate_size,
-                    expert_parallel,
-                    reduce=False,
-                    name="moe_intermediate_size",
-                )
-                for e in local
-            }
-        )
+        with int4.packed_linears(int4.resident_group()):  # None: as the model's other linears
+            self.experts = nn.ModuleDict(
+                {
+                    str(e): MLP(
+                        cfg.hidden_size,
+                        cfg.moe_intermediate_size,
+                        expert_parallel,
+                        reduce=False,
+                        name="moe_intermediate_size",
+                    )
+                    for e in local
+                }
+            )
         self.shared_experts = (
             MLP(
                 cfg.hidden_size,
@@ -132,7 +139,7 @@ class MoE(nn.Module):
         )
         self.w13: Weight | None = None  # [E_local, 2 * inter_local, hidden] after loading
         self.w2: Weight | None = None  # [E_local, hidden, inter_local]
-        self.fp8 = False  # FP8-resident expert stacks
+        self.quantized = False  # FP8-resident or packed INT4 expert stacks
         # The fused routed-expert kernel when --moe_backend chose one (ops/backends.py),
         # else None: the torch forms below.
         self.fused_moe = None
@@ -147,7 +154,7 @@ class MoE(nn.Module):
             w13.append(cat_weights([e.gate_proj.weight, e.up_proj.weight]))
             w2.append(e.down_proj.weight)
         self.w13, self.w2 = stack_weights(w13), stack_weights(w2)
-        self.fp8 = not isinstance(self.w13, torch.Tensor)
+        self.quantized = not isinstance(self.w13, torch.Tensor)
         del self.experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +175,7 @@ class MoE(nn.Module):
             return self._routed_gathered(x, weights, ids)  # graph mode, few tokens
         if not torch.compiler.is_compiling() and ids.numel() <= SMALL_BATCH_ASSIGNMENTS:
             return self._routed_small(x, weights, ids)
-        if self.fp8:  # the same loop as the op, over FP8-resident stacks (eager only)
+        if self.quantized:  # the same loop as the op, over FP8 or INT4 stacks (eager only)
             return grouped_experts(x, weights, ids, self.w13, self.w2, self.first_expert)
         return routed_grouped(x, weights, ids, self.w13, self.w2, self.first_expert)
 
@@ -228,7 +235,7 @@ def routed_grouped(
 
 
 def grouped_experts(x, weights, ids, w13: Weight, w2: Weight, first_expert: int) -> torch.Tensor:
-    """The body of `routed_grouped`, for run-dtype or FP8-resident expert stacks."""
+    """The body of `routed_grouped`, for run-dtype, FP8-resident or packed INT4 stacks."""
     top_k, n_local = ids.shape[1], w13.shape[0]
     flat_ids = ids.view(-1) - first_expert  # local expert ids; another rank's -> n_local
     flat_ids = flat_ids.masked_fill((flat_ids < 0) | (flat_ids >= n_local), n_local)

@@ -43,6 +43,12 @@ def inverse_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
     return interpolation * (1 - keep_extrapolated) + extrapolation * keep_extrapolated
 
 
+def llama_4_query_scale(positions: torch.Tensor, beta: float, original: int) -> torch.Tensor:
+    """Llama-4's position-dependent query scale, which Mistral Large 3 applies on top of
+    YaRN: 1 + beta * ln(1 + floor(p / original)), float32 [T] (1 for p < original)."""
+    return 1 + beta * torch.log1p(torch.floor(positions.float() / original))
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables for every position up to the model's context."""
 
