@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.ranks import WORLD, run_ranks, use_parallel_workers
+from tests.test_dsa import DSA
 from tools.make_random_checkpoint import BASE_CONFIG, make_random_checkpoint
 from xllm_py import LLM, SamplingParams
 from xllm_py.config import ModelConfig
@@ -97,9 +98,12 @@ def mtp_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def jobs(mtp_ckpt, tiny_model_dir):
+def jobs(mtp_ckpt, tiny_model_dir, tmp_path_factory):
     # tiny_model_dir: written by HF transformers, no q-LoRA (q_proj split), no MTP layer.
-    return [(mtp_ckpt, 0), (mtp_ckpt, 1), (tiny_model_dir, 0)]
+    # DeepSeek-V3.2 (tests/test_dsa.py's): the indexer replicated, its keys cached on every
+    # rank beside the latent, so that all ranks pick the same tokens; MTP k = 1.
+    v32 = make_random_checkpoint(tmp_path_factory.mktemp("tp_v32"), overrides=DSA, seed=2)
+    return [(mtp_ckpt, 0), (mtp_ckpt, 1), (tiny_model_dir, 0), (v32, 1)]
 
 
 @pytest.fixture(scope="module")

@@ -453,15 +453,18 @@ def parser_server(request, tmp_path_factory):
         yield request.param, openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
 
 
-def test_a_required_call_under_each_parser_is_valid_streamed_and_not(parser_server):
-    parser, client = parser_server
+def required_call(client, max_tokens: int):
+    """A `tool_choice="required"` request for the weather in Paris, whole and streamed: its
+    kwargs, the whole answer's choice and call (a valid call to a declared tool, arguments
+    that follow its schema), and the streamed tool-call deltas, whose name and arguments
+    are the whole answer's."""
     kw = dict(
         model=client.models.list().data[0].id,
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
         tools=TOOLS,
         tool_choice="required",
         parallel_tool_calls=False,
-        max_tokens=96,
+        max_tokens=max_tokens,
         temperature=0,
     )
     choice = client.chat.completions.create(**kw).choices[0]
@@ -469,14 +472,20 @@ def test_a_required_call_under_each_parser_is_valid_streamed_and_not(parser_serv
     (tc,) = choice.message.tool_calls
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     jsonschema.validate(json.loads(tc.function.arguments), schemas[tc.function.name])
-    if parser == "kimi_k2":  # the model's own id, which a later turn's tool_call_id names
-        assert re.fullmatch(rf"functions\.{tc.function.name}:\d+", tc.id), tc.id
     chunks = list(client.chat.completions.create(**kw, stream=True))
     parts = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
     assert parts[0].id and parts[0].function.name == tc.function.name
+    assert "".join(p.function.arguments or "" for p in parts) == tc.function.arguments
+    return kw, choice, tc, parts
+
+
+def test_a_required_call_under_each_parser_is_valid_streamed_and_not(parser_server):
+    parser, client = parser_server
+    kw, choice, tc, parts = required_call(client, max_tokens=96)
+    if parser == "kimi_k2":  # the model's own id, which a later turn's tool_call_id names
+        assert re.fullmatch(rf"functions\.{tc.function.name}:\d+", tc.id), tc.id
     if parser == "kimi_k2":  # the same id whole and streamed (others are drawn per request)
         assert parts[0].id == tc.id
-    assert "".join(p.function.arguments or "" for p in parts) == tc.function.arguments
     follow_up = [
         *kw["messages"],
         choice.message.model_dump(exclude_none=True),

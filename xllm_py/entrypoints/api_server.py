@@ -57,6 +57,7 @@ class ServerOptions:
     strict_request_fields: bool = False  # True: a field the server does not declare is a 400
     reasoning_parser: str = ""  # "deepseek_r1": chat answers split <think> (reasoning.py)
     tool_call_parser: str = ""  # "deepseek_v3": tool calls parsed (tool_parser.py)
+    chat_template: str = "auto"  # "deepseek_v32": DeepSeek-V3.2's encoding (encoding_dsv32.py)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (with a parser)
     grammar_compile_timeout: float = 10.0  # seconds a new grammar may take to compile
     stream_stall_timeout: float = 300.0  # seconds a stream may go unread before its abort

@@ -1,10 +1,11 @@
-"""POST /v1/chat/completions: messages rendered with the checkpoint's chat template.
+"""POST /v1/chat/completions: messages rendered with the checkpoint's chat template (or
+DeepSeek-V3.2's encoding, encoding_dsv32.py: --chat_template).
 
 Each choice's text goes through the reasoning split (--reasoning_parser: `<think>` ...
 `</think>` becomes `reasoning_content`) and then the tool-call reader (when the request
-allows tool calls: DeepSeek-V3's markers become `tool_calls`); `tool_choice` required
-or named is enforced by a grammar. vLLM's `prompt_logprobs` (of the rendered prompt)
-are one list for the request, at the top of the body.
+allows tool calls: the --tool_call_parser format's calls become `tool_calls`);
+`tool_choice` required or named is enforced by a grammar. vLLM's `prompt_logprobs` (of
+the rendered prompt) are one list for the request, at the top of the body.
 """
 
 from __future__ import annotations

@@ -499,7 +499,8 @@ class ChatCompletionRequest(_Chat, _Common):
             raise APIError(
                 400,
                 "tools: this server parses no tool calls (start it with "
-                "--tool_call_parser=deepseek_v3, deepseek_v31 or kimi_k2), so only "
+                "--tool_call_parser=deepseek_v3, deepseek_v31, kimi_k2 or deepseek_v32), so "
+                "only "
                 "tool_choice none is possible",
                 param="tools",
             )

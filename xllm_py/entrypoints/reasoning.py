@@ -5,10 +5,11 @@ DeepSeek's own API return it. The parsers differ in when a request thinks and wh
 thinking ends:
 
     deepseek_r1   always thinks; the thinking ends at `</think>`
-    deepseek_v3   DeepSeek-V3.1's hybrid thinking: only a request whose
+    deepseek_v3   DeepSeek-V3.1's and V3.2's hybrid thinking: only a request whose
                   chat_template_kwargs set `thinking` (or `enable_thinking`) true thinks,
-                  as only then does V3.1's template open `<think>` in the prompt; any
-                  other answer is all content, `</think>` or not
+                  as only then does V3.1's template (V3.2's encoding: encoding_dsv32.py,
+                  which asks `thinks` the same question) open `<think>` in the prompt;
+                  any other answer is all content, `</think>` or not
     kimi_k2       Kimi-K2-Thinking: thinks unless `thinking` (or `enable_thinking`) is
                   false; the thinking ends at `</think>` or where a section of tool calls
                   begins (the model may call tools before it closes its thinking: the

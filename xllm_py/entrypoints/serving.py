@@ -33,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from xllm_py.entrypoints import reasoning
+from xllm_py.entrypoints import encoding_dsv32, reasoning
 from xllm_py.entrypoints.choice_output import Choice, ChoiceOutput, Formatter
 from xllm_py.entrypoints.engine_client import (
     EngineClient,
@@ -292,10 +292,20 @@ class OpenAIServer:
             )
 
     def render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
-        """The messages through the checkpoint's chat template (errors: 400 on messages).
-        Blocking: call it through run_blocking."""
+        """The messages through the checkpoint's chat template, or DeepSeek-V3.2's encoding
+        (encoding_dsv32.py: --chat_template) (errors: 400 on messages). Blocking: call it
+        through run_blocking."""
         if self.tokenizer is None:
             raise APIError(400, "messages: this checkpoint has no tokenizer", param="messages")
+        own = bool(self.tokenizer.chat_template)
+        if encoding_dsv32.applies(self.opts.chat_template, self.engine.model_config.raw, own):
+            try:
+                return encoding_dsv32.render(
+                    req.message_dicts(), req.tool_dicts(), req.chat_template_kwargs,
+                    req.add_generation_prompt,
+                )  # fmt: skip
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from e
         try:
             return self.tokenizer.apply_chat_template(
                 req.message_dicts(),

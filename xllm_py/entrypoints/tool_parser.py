@@ -15,9 +15,10 @@ say first, in one section of calls:
                   <|tool_call_argument_begin|>{"arg": 1}<|tool_call_end|>
                   <|tool_call_begin|>functions.NAME2:1 ...
                   <|tool_call_end|><|tool_calls_section_end|>
+    deepseek_v32  DeepSeek-V3.2's DSML: XML-ish parameters (dsml.py)
 
-(only V3's fences hold line breaks: the others here are this page's, not the model's). A
-`ToolCallFormat` holds what differs: the four markers; a call's header, from its begin
+(only V3's fences hold line breaks: the others here are this page's, not the model's).
+A `ToolCallFormat` holds what differs: the four markers; a call's header, from its begin
 marker to its arguments; what V3 writes between the arguments and the call's end (the
 closing fence); and the header's pieces in the grammar. Kimi-K2 names each call
 `functions.NAME:IDX`: that is the OpenAI tool_call id, unchanged, so the tool result a
@@ -27,15 +28,19 @@ client sends back with that `tool_call_id` renders as the model wrote it (an id 
 
 The markers are tokens of the model's tokenizer (the bundled model has DeepSeek-V3's too:
 see tools/add_special_tokens.py); the parser works on the decoded text, so it also reads a
-marker that arrives spelled out in several tokens. `ToolCallStream` reads the text as it
-streams: content until the calls begin (a possible partial marker held back), then for
-each call first its id and name, then its arguments in fragments as they arrive (a
-possible start of what closes them held back), as OpenAI streams them. `parse` is the
-same reader over a whole output, so a streamed answer and a whole one always agree.
+marker that arrives spelled out in several tokens.
+`ToolCallStream` reads the text as it streams: content until the calls begin (a possible
+partial marker held back), then for each call first its id and name, then its arguments
+in fragments as they arrive (a possible start of what closes them held back), as OpenAI
+streams them. `parse` is the same reader over a whole output, so a streamed answer and a
+whole one always agree.
 
 Text after the end of the section is dropped; a call whose header does not parse is
 skipped up to its end marker; an output cut short inside a call keeps what arrived of its
 arguments.
+
+DeepSeek-V3.2's DSML does not fit a `ToolCallFormat` (its arguments are XML-ish
+parameters): `dsml.py` reads it, with the same contract.
 
 `tool_call_grammar` is the structural tag that makes the model's output a well-formed
 call when `tool_choice` is "required" or names a function (structured/ compiles it).
@@ -66,7 +71,7 @@ KIMI_CALLS_END = "<|tool_calls_section_end|>"
 KIMI_CALL_BEGIN = "<|tool_call_begin|>"
 KIMI_CALL_END = "<|tool_call_end|>"
 KIMI_ARGS_BEGIN = "<|tool_call_argument_begin|>"
-_NAME = r"[\w.\-]+"  # a function's name: the API admits [A-Za-z0-9_.-] (openai_protocol.py)
+FN_NAME = r"[\w.\-]+"  # a function's name: the API admits [A-Za-z0-9_.-] (openai_protocol.py)
 
 
 def _token(text: str) -> dict:
@@ -74,7 +79,7 @@ def _token(text: str) -> dict:
     return {"type": "token", "token": text}
 
 
-def _const(text: str) -> dict:
+def const(text: str) -> dict:
     return {"type": "const_string", "value": text}
 
 
@@ -100,24 +105,24 @@ FORMATS = {
     "deepseek_v3": ToolCallFormat(
         CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END,
         re.compile(r"[^<\n]*" + re.escape(SEP) + r"(?P<name>[^\n]*)\n```(?:json)?\n"),
-        lambda name: [_const("function"), _token(SEP), _const(name + "\n" + FENCE_OPEN)],
+        lambda name: [const("function"), _token(SEP), const(name + "\n" + FENCE_OPEN)],
         args_end=FENCE_CLOSE, separator="\n",
     ),
     "deepseek_v31": ToolCallFormat(
         CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END,
-        re.compile(r"\s*(?P<name>" + _NAME + r")\s*" + re.escape(SEP)),
-        lambda name: [_const(name), _token(SEP)],
+        re.compile(r"\s*(?P<name>" + FN_NAME + r")\s*" + re.escape(SEP)),
+        lambda name: [const(name), _token(SEP)],
     ),
     "kimi_k2": ToolCallFormat(
         KIMI_CALLS_BEGIN, KIMI_CALLS_END, KIMI_CALL_BEGIN, KIMI_CALL_END,
-        re.compile(r"\s*(?P<id>(?:functions\.)?(?P<name>" + _NAME + r"):\d+)\s*"
+        re.compile(r"\s*(?P<id>(?:functions\.)?(?P<name>" + FN_NAME + r"):\d+)\s*"
                    + re.escape(KIMI_ARGS_BEGIN)),
         # IDX counts the calls of the conversation; four digits bound a runaway
-        lambda name: [_const(f"functions.{name}:"), {"type": "regex", "pattern": "[0-9]{1,4}"},
+        lambda name: [const(f"functions.{name}:"), {"type": "regex", "pattern": "[0-9]{1,4}"},
                       _token(KIMI_ARGS_BEGIN)],
     ),
 }  # fmt: skip
-PARSERS = tuple(FORMATS)
+PARSERS = (*FORMATS, "deepseek_v32")
 
 
 def new_call_id() -> str:
@@ -138,8 +143,58 @@ class ToolCall:
         }
 
 
+class StreamReader:
+    """What the readers share (`calls`: the calls read so far, `parallel`: whether more
+    than the first is kept): `feed` runs the reader's state machine (`_steps`: a step
+    per state, each handling what it can of the unread text, True when it changed the
+    state) over the text so far, and returns the OpenAI delta fields that came of it."""
+
+    text: str
+    pos: int  # text before pos is handled
+    state: str
+    calls: list[ToolCall]
+    parallel: bool
+
+    def _steps(self, final: bool, content: list[str], calls: list[dict]) -> dict:
+        raise NotImplementedError
+
+    def feed(self, delta: str, final: bool = False) -> dict:
+        """The delta fields ("content" and/or "tool_calls") that `delta` completes;
+        `final` flushes what was held back (the output ended)."""
+        self.text += delta
+        content: list[str] = []
+        calls: list[dict] = []
+        step = self._steps(final, content, calls)
+        while self.state in step and step[self.state](self.text[self.pos :]):
+            pass
+        out: dict = {}
+        if "".join(content):
+            out["content"] = "".join(content)
+        if calls:
+            out["tool_calls"] = _merge(calls)
+        return out
+
+    def _new_call(self, call: ToolCall, calls: list[dict]) -> None:
+        """A call whose header arrived: kept, and its id and name handed out."""
+        self.calls.append(call)
+        function = {"name": call.name, "arguments": ""}
+        index = len(self.calls) - 1
+        calls.append({"index": index, "id": call.id, "type": "function", "function": function})
+
+    def _skip_malformed(self, rest: str, final: bool, end: str) -> bool:
+        """A call whose header does not parse: skipped up to its `end` marker."""
+        i = rest.find(end)
+        if i >= 0:
+            self.pos += i + len(end)
+            self.state = "calls"
+            return True
+        if final:
+            self.state = "done"
+        return False
+
+
 @dataclass
-class ToolCallStream:
+class ToolCallStream(StreamReader):
     """Reads one choice's streamed text; `feed` returns OpenAI delta fields for it."""
 
     parallel: bool = True  # False: only the first call is kept (parallel_tool_calls=false)
@@ -150,28 +205,14 @@ class ToolCallStream:
     calls: list[ToolCall] = field(default_factory=list)
     sent_args: int = 0  # characters of the current call's arguments already handed out
 
-    def feed(self, delta: str, final: bool = False) -> dict:
-        """The delta fields ("content" and/or "tool_calls") that `delta` completes;
-        `final` flushes what was held back (the output ended)."""
-        self.text += delta
-        content: list[str] = []
-        calls: list[dict] = []
-        step = {
+    def _steps(self, final: bool, content: list[str], calls: list[dict]) -> dict:
+        return {
             "content": lambda rest: self._content(rest, final, content),
             "calls": lambda rest: self._between_calls(rest, final),
             "header": lambda rest: self._header(rest, final, calls),
             "arguments": lambda rest: self._arguments(rest, final, calls),
             "skip": lambda rest: self._arguments(rest, final, calls),
         }
-        # each step handles what it can of the rest; True: the state changed, go on
-        while self.state in step and step[self.state](self.text[self.pos :]):
-            pass
-        out: dict = {}
-        if "".join(content):
-            out["content"] = "".join(content)
-        if calls:
-            out["tool_calls"] = _merge(calls)
-        return out
 
     def _content(self, rest: str, final: bool, content: list[str]) -> bool:
         """Text before the calls begin (a possible partial marker held back)."""
@@ -210,20 +251,10 @@ class ToolCallStream:
                 self.state = "skip"
                 return True
             call = ToolCall(m.groupdict().get("id") or new_call_id(), m.group("name").strip())
-            self.calls.append(call)
-            function = {"name": call.name, "arguments": ""}
-            index = len(self.calls) - 1
-            calls.append({"index": index, "id": call.id, "type": "function", "function": function})
+            self._new_call(call, calls)
             self.state, self.sent_args = "arguments", 0
             return True
-        end = rest.find(self.fmt.call_end)
-        if end >= 0:  # a call whose header does not parse: skipped
-            self.pos += end + len(self.fmt.call_end)
-            self.state = "calls"
-            return True
-        if final:
-            self.state = "done"
-        return False
+        return self._skip_malformed(rest, final, self.fmt.call_end)
 
     def _arguments(self, rest: str, final: bool, calls: list[dict]) -> bool:
         """The current call's arguments as they arrive (a possible start of what closes
@@ -263,8 +294,12 @@ def _merge(deltas: list[dict]) -> list[dict]:
     return out
 
 
-def stream_for(parser: str, parallel: bool = True) -> ToolCallStream:
+def stream_for(parser: str, parallel: bool = True) -> StreamReader:
     """The reader of `parser`'s format (a name in PARSERS: --tool_call_parser)."""
+    if parser == "deepseek_v32":
+        from xllm_py.entrypoints.dsml import DsmlStream  # (dsml.py builds on this module)
+
+        return DsmlStream(parallel)
     return ToolCallStream(parallel, FORMATS[parser])
 
 
@@ -284,7 +319,15 @@ def tool_call_grammar(
     format, one or more calls (only to `only` when a function is named, just one when
     not `parallel` or when named), each to a declared function with arguments that follow
     its `parameters` schema. The markers must be the tokens themselves, not their
-    spelling in pieces (a tokenizer without them cannot compile it)."""
+    spelling in pieces (a tokenizer without them cannot compile it); DSML's are text
+    (dsml.py's `dsml_section`)."""
+    fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
+    single = only is not None or not parallel
+    if parser == "deepseek_v32":
+        from xllm_py.entrypoints.dsml import dsml_section
+
+        section = dsml_section(fns, single)
+        return json.dumps({"type": "structural_tag", "format": section}, ensure_ascii=False)
     fmt = FORMATS[parser]
 
     def call(fn: dict) -> dict:
@@ -292,7 +335,7 @@ def tool_call_grammar(
         arguments = {"type": "grammar", "grammar": json_schema_grammar(json.dumps(schema), True)}
         elements = [*fmt.grammar_header(fn["name"]), arguments]
         if fmt.args_end:
-            elements.append(_const(fmt.args_end))
+            elements.append(const(fmt.args_end))
         return {
             "type": "tag",
             "begin": _token(fmt.call_begin),
@@ -300,13 +343,12 @@ def tool_call_grammar(
             "end": _token(fmt.call_end),
         }
 
-    fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     body = {
         "type": "tags_with_separator",
         "tags": [call(fn) for fn in fns],
         "separator": fmt.separator,
         "at_least_one": True,
-        "stop_after_first": only is not None or not parallel,
+        "stop_after_first": single,
     }
     section = {
         "type": "tag",
