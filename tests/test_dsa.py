@@ -9,6 +9,7 @@ that every prompt but the shortest attends sparsely:
 - MTP k = 1, 2, 3 give plain decoding's tokens at batch 8 under chunked prefill with the
   prefix cache on (the shared prefixes hit), k = 3 at batch 1, and k = 2 under preemption
   (the indexer keys are recomputed with the latents);
+- sampled drafts keep the distribution at T = 1 (chi-square against plain sampling);
 - graph mode is refused with V3.2, naming both.
 """
 
@@ -18,6 +19,7 @@ import json
 
 import pytest
 
+from tests.test_spec_sampling_distribution import assert_same_distribution, draw, engine
 from tools.make_random_checkpoint import make_random_checkpoint
 from xllm_py import LLM, SamplingParams
 
@@ -83,3 +85,16 @@ def test_mtp_is_lossless_under_preemption(ckpt, baseline):
 def test_graph_mode_is_refused_naming_both(ckpt):
     with pytest.raises(ValueError, match="enable_graph=True with DeepSeek-V3.2's sparse attention"):
         LLM(model=str(ckpt), dtype="float32", enable_graph=True)
+
+
+def test_sampled_drafts_keep_the_distribution(ckpt):
+    """T = 1 with sampled drafts (k = 2) against plain sampling, 2,000 continuations each,
+    chi-square per position (test_spec_sampling_distribution.py's test), on a prompt past
+    index_topk: the indexer's choice is in every verification row."""
+    ids = list(range(5, 38))  # 2 blocks + 1: the other requests prefill one token
+    plain = draw(engine(0, seed=1, model=str(ckpt)), ids, "t1.0")
+    llm = engine(2, seed=12, model=str(ckpt))
+    spec = draw(llm, ids, "t1.0")
+    m = llm.get_metrics()
+    assert 0 < m.accepted_tokens < m.draft_tokens  # drafts accepted and rejected
+    assert_same_distribution(plain, spec, "DeepSeek-V3.2, k=2 vs plain, t1.0")

@@ -25,11 +25,14 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tests import grammar_utils
 from tests.server_utils import ROOT, Server, eager_unless_asked
@@ -53,6 +56,7 @@ from xllm_py.entrypoints.tool_parser import (
     stream_for,
 )
 from xllm_py.sampling_params import StructuredOutput
+from xllm_py.weights.loader import INDEX_FILE
 
 D = "｜DSML｜"  # the format's marker, spelled here independently of the code
 
@@ -310,10 +314,35 @@ DSML_TAGS = [DSML_CALLS_BEGIN, DSML_CALLS_END, f"<{D}invoke", DSML_INVOKE_END, f
              DSML_PARAM_END]  # fmt: skip
 
 
+def as_deepseek_v32(model: Path) -> None:
+    """The checkpoint made a DeepSeek-V3.2 one: its architecture, and a random lightning
+    indexer in every layer (the MTP layer's too) whose index_topk, 4096, is past the whole
+    2048-token context, so every query keeps every token and the trained weights decode
+    as they did."""
+    cfg = json.loads((model / "config.json").read_text())
+    cfg |= {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+            "index_topk": 4096, "index_head_dim": 64, "index_n_heads": 4}  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    h, q, d, heads = cfg["hidden_size"], cfg["q_lora_rank"], 64, 4
+    tensors = {}
+    for i in range(cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"]):
+        p = f"model.layers.{i}.self_attn.indexer"
+        tensors[f"{p}.wq_b.weight"] = torch.randn(heads * d, q, generator=g) * q**-0.5
+        tensors[f"{p}.wk.weight"] = torch.randn(d, h, generator=g) * h**-0.5
+        tensors[f"{p}.k_norm.weight"], tensors[f"{p}.k_norm.bias"] = torch.ones(d), torch.zeros(d)
+        tensors[f"{p}.weights_proj.weight"] = torch.randn(heads, h, generator=g) * h**-0.5
+    save_file(tensors, str(model / "model-indexer.safetensors"))
+    index = json.loads((model / INDEX_FILE).read_text())
+    index["weight_map"] |= dict.fromkeys(tensors, "model-indexer.safetensors")
+    (model / INDEX_FILE).write_text(json.dumps(index))
+    (model / "config.json").write_text(json.dumps(cfg))
+
+
 @pytest.fixture(scope="module")
 def dsml_server(tmp_path_factory):
-    """The daemon on a copy of the bundled model with the DSML tags added as tokens
-    (tools/add_special_tokens.py), V3.2's encoding and the DSML reader."""
+    """The daemon on a DeepSeek-V3.2 test checkpoint: a copy of the bundled model with the
+    DSML tags added as tokens (tools/add_special_tokens.py) and a lightning indexer
+    (`as_deepseek_v32`), V3.2's encoding and the DSML reader."""
     model = tmp_path_factory.mktemp("dsml-bundled") / "model"
     tokens = [a for tag in DSML_TAGS for a in ("--token", tag)]
     done = subprocess.run(
@@ -322,6 +351,7 @@ def dsml_server(tmp_path_factory):
         capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+    as_deepseek_v32(model)
     flags = ["--dtype=float32", f"--model={model}", "--chat_template=deepseek_v32",
              "--tool_call_parser=deepseek_v32", "--num_speculative_tokens=0"]  # fmt: skip
     with Server(*eager_unless_asked(flags)) as s:

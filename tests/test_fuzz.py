@@ -1,7 +1,8 @@
 """Generated input: schemathesis, driven by the daemon's own /openapi.json, against the
 real daemon (bundled model, MTP on) on loopback. Every /v1 route gets schema-valid and
-schema-breaking bodies; no answer may be a server error, every 4xx must be in OpenAI's
-error shape and documented, and the daemon must serve a normal completion afterwards.
+schema-breaking bodies; no answer may be a server error, every 4xx must be documented and
+in its API's error shape (Anthropic's on /v1/messages, OpenAI's elsewhere), and the daemon
+must serve a normal completion afterwards.
 
 Crashes the fuzzer found are kept as regular tests (test_found_* below)."""
 
@@ -19,9 +20,10 @@ import pytest
 from tests.server_utils import Server
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
-EXAMPLES_PER_OPERATION = 30  # plus the coverage phase's boundary cases: > 400 in all
+EXAMPLES_PER_OPERATION = 20  # plus the coverage phase's boundary cases: > 1,000 in all
 MIN_CASES = 500
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/responses",
+          "/v1/messages", "/v1/messages/count_tokens")  # fmt: skip
 # schemathesis's default checks are all of them; these are off, each for its reason
 EXCLUDED_CHECKS = {
     # A schema-valid body can still be refused with a 400 the schema cannot express:
@@ -32,6 +34,10 @@ EXCLUDED_CHECKS = {
     # (tests/test_api_server.py), and this daemon runs without --api_key.
     "ignored_auth": "the fuzzed daemon runs without --api_key",
 }
+# schemathesis's default 10 s limit on each answer: on a loaded 2-core CI machine a
+# generated request with n = 16 choices can take longer. Speed is measured by perf/, not
+# asserted in tests; the limit stays as a hang check, at the request timeout.
+MAX_RESPONSE_TIME = 60
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +57,15 @@ def _run_schemathesis(url: str, har: Path) -> subprocess.CompletedProcess:
         "--max-examples", str(EXAMPLES_PER_OPERATION),
         "--seed", "20261124",
         "--workers", "1",
-        "--request-timeout", "60",
+        "--request-timeout", str(MAX_RESPONSE_TIME),
+        "--max-response-time", str(MAX_RESPONSE_TIME),
         "--no-color",
         "--report", "har", "--report-har-path", str(har),
     ]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=har.parent)
 
 
-def test_generated_requests_get_no_server_error_and_only_openai_shaped_errors(server, tmp_path):
+def test_generated_requests_get_no_server_error_and_only_api_shaped_errors(server, tmp_path):
     har = tmp_path / "fuzz.har"
     run = _run_schemathesis(server.url, har)
     report = run.stdout[-6000:] + run.stderr[-2000:]
@@ -71,7 +78,10 @@ def test_generated_requests_get_no_server_error_and_only_openai_shaped_errors(se
         assert status < 500, (e["request"], e["response"]["content"].get("text"))
         if 400 <= status < 500 and e["request"]["url"].startswith(server.url + "/v1"):
             body = json.loads(e["response"]["content"]["text"])
-            assert set(body["error"]) == {"message", "type", "param", "code"}, body
+            if httpx.URL(e["request"]["url"]).path.startswith("/v1/messages"):  # Anthropic's
+                assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+            else:
+                assert set(body["error"]) == {"message", "type", "param", "code"}, body
     assert run.returncode == 0, report
     ok = httpx.post(
         server.url + "/v1/completions",

@@ -222,7 +222,8 @@ def test_cli(replica):
     run = _cli("--model", str(replica), "--devices", "8", "--tp", "8", "--ep", "8",
                "--device_memory_gb", "141")  # fmt: skip
     assert run.returncode == 0, run.stderr
-    for line in ("671.03 B", "per token  62 cache layers x 576 x 2 B = 71,424 B", "tp 8, ep 8"):
+    per_token = "per token  62 cache layers x (512 latent + 64 roped key) x 2 B = 71,424 B"
+    for line in ("671.03 B", per_token, "tp 8, ep 8"):
         assert line in run.stdout
 
 

@@ -219,6 +219,12 @@ class EngineArgs:
     stream_stall_timeout: float = option(300.0, "server", "seconds a streaming client may go "
         "without reading while its request has output waiting; then the request is aborted and "
         "its memory freed", check=positive(" seconds"), offline=False)  # fmt: skip
+    responses_store_max: int = option(1000, "server", "responses /v1/responses keeps (store: "
+        "true) for previous_response_id and GET /v1/responses/{id}, each with its conversation "
+        "(at most a context's worth of text); the oldest go first; 0 keeps none",
+        check=at_least(0), offline=False)  # fmt: skip
+    responses_store_ttl: float = option(3600.0, "server", "seconds a stored response is kept "
+        "after it was made", check=positive(" seconds"), offline=False)  # fmt: skip
     shutdown_timeout: float = option(30.0, "server", "on SIGTERM, seconds in-flight requests may "
         "take before they are aborted (on a cluster worker: SIGTERM drains the whole cluster, "
         "and the worker waits this long plus 15 s for the master to shut it down)",

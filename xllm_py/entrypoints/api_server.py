@@ -2,12 +2,16 @@
 
     POST /v1/completions        text or token-id prompts (one or a batch), n choices each
     POST /v1/chat/completions   messages rendered with the checkpoint's chat template
+    POST /v1/responses  GET|DELETE /v1/responses/{id}   OpenAI's Responses API (responses.py)
+    POST /v1/messages  POST /v1/messages/count_tokens   Anthropic's Messages API (messages.py)
     POST /tokenize  POST /detokenize   vLLM's token utilities (count, truncate, decode)
     GET  /v1/models   GET /version   GET /health   GET /metrics   GET /openapi.json
 
-Both POST endpoints stream with `"stream": true` (SSE `data: {...}` chunks, then
-`data: [DONE]`). Every error has OpenAI's shape `{"error": {"message", "type",
-"param", "code"}}`: 400 bad input, 401 bad key, 404 unknown model or route, 405
+The generating POST endpoints stream with `"stream": true` (SSE: chat and completions
+`data: {...}` chunks, then `data: [DONE]`; Responses and Messages their own events).
+Every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, except
+on /v1/messages, where it has Anthropic's `{"type": "error", "error": {"type",
+"message"}}`: 400 bad input, 401 bad key, 404 unknown model or route, 405
 wrong method (with `Allow`), 413 oversized body, 429 too many requests in flight, 500
 this request failed on its own (the others go on), 503 draining or engine dead.
 /openapi.json declares each route's request body and these answers.
@@ -15,8 +19,9 @@ A client that goes away (mid-stream or while waiting) aborts its requests, so
 their KV blocks are freed at the next engine step; so does a streaming client that
 reads nothing for --stream_stall_timeout seconds.
 
-This module is the routes and their documentation; serving.py is what both APIs share,
-chat.py and completions.py are each API's own answer.
+This module is the routes and their documentation; serving.py is what the APIs share,
+chat.py and completions.py are each API's own answer, and responses.py and messages.py
+convert their bodies to a chat request and its answer back (chat.py `chat_outputs`).
 """
 
 from __future__ import annotations
@@ -27,23 +32,22 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from xllm_py import __version__
+from xllm_py.entrypoints import messages, messages_request, responses
 from xllm_py.entrypoints.chat import serve_chat
 from xllm_py.entrypoints.completions import serve_completion
 from xllm_py.entrypoints.engine_client import EngineClient
 from xllm_py.entrypoints.openai_protocol import (
-    ERROR_STATUSES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ErrorResponse,
     TokenizeRequest,
 )
+from xllm_py.entrypoints.route_docs import BODIES, error_docs, post_doc
 from xllm_py.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
 from xllm_py.entrypoints.serving import OpenAIServer, _internal_error
 
@@ -64,6 +68,9 @@ class ServerOptions:
     # usage.speculative {draft_tokens, accepted_tokens} in answers: --report_speculative_usage
     # with MTP on (serve.server_options)
     report_speculative_usage: bool = False
+    # the Responses API's store (responses.py): --responses_store_max, --responses_store_ttl
+    responses_store_max: int = 1000
+    responses_store_ttl: float = 3600.0
 
 
 async def tokenize_route(server: OpenAIServer, request: Request) -> dict:
@@ -93,37 +100,6 @@ async def detokenize_route(server: OpenAIServer, request: Request) -> dict:
     return {"prompt": text}
 
 
-def _errors(*statuses: int) -> dict:
-    return {s: {"model": ErrorResponse, "description": ERROR_STATUSES[s]} for s in statuses}
-
-
-def _post_doc(body: type[BaseModel], what: str, stream: bool = True) -> dict:
-    """Route arguments that document a POST route whose body the handler validates itself:
-    the request body's schema (added to the components by `_openapi`) and every answer."""
-    return {
-        "openapi_extra": {
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {
-                        "schema": {"$ref": f"#/components/schemas/{body.__name__}"}
-                    }
-                },
-            }
-        },
-        "responses": {
-            200: {
-                "description": f"{what}: one JSON object, or with `stream: true` server-sent "
-                "events (`data: {...}` chunks, then `data: [DONE]`)",
-                "content": {"application/json": {}, "text/event-stream": {}},
-            }
-            if stream
-            else {"description": what, "content": {"application/json": {}}},
-            **_errors(400, 401, 404, 413, 429, 500, 503),
-        },
-    }
-
-
 def _openapi(app: FastAPI, max_model_len: int) -> dict:
     """FastAPI's document plus the request bodies' JSON schemas, with the token limits
     this server enforces, so generated clients and fuzzers see what is accepted."""
@@ -132,10 +108,11 @@ def _openapi(app: FastAPI, max_model_len: int) -> dict:
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+        for model in BODIES:  # every body a route documented with `post_doc`
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
-            for name in ("max_tokens", "max_completion_tokens"):  # larger never fits
+            for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):  # larger
+                # never fits
                 if name in body["properties"]:
                     for option in body["properties"][name].get("anyOf", []):
                         if option.get("type") == "integer":
@@ -161,41 +138,46 @@ def build_app(engine: EngineClient, opts: ServerOptions, metrics: ServerMetrics)
     return app
 
 
+def _error_response(request: Request, e: APIError, headers=None) -> JSONResponse:
+    """OpenAI's error shape, or Anthropic's on the Messages API's routes (messages.py)."""
+    body = messages_request.error_body(e) if messages_request.owns(request.url.path) else e.body()
+    return JSONResponse(body, status_code=e.status, headers=headers)
+
+
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+    async def _api_error(request: Request, e: APIError):
+        return _error_response(request, e)
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(_: Request, e: ClientDisconnect):
         return Response(status_code=499)  # the client left before its body arrived: no one to tell
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception):
-        return JSONResponse(_internal_error(e).body(), status_code=500)
+    async def _internal(request: Request, e: Exception):
+        return _error_response(request, _internal_error(e))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException):
+    async def _http_error(request: Request, e: StarletteHTTPException):
         kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(  # e.headers carries a 405's Allow
-            APIError(e.status_code, str(e.detail), type=kind).body(),
-            status_code=e.status_code,
-            headers=e.headers,
-        )
+        error = APIError(e.status_code, str(e.detail), type=kind)
+        return _error_response(request, error, e.headers)  # e.headers: a 405's Allow
 
 
 def _key_check(api_key: str | None):
-    """The dependency that checks `Authorization: Bearer KEY` (in constant time)."""
+    """The dependency that checks `Authorization: Bearer KEY`, or Anthropic's `x-api-key:
+    KEY` (in constant time)."""
     expected = f"Bearer {api_key}".encode()
 
     def check_key(request: Request) -> None:
         if not api_key:
             return
         given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+        anthropic = ("Bearer " + request.headers.get("x-api-key", "")).encode()
+        if not (hmac.compare_digest(given, expected) or hmac.compare_digest(anthropic, expected)):
             raise APIError(
                 401,
-                "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                "missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                 type="authentication_error",
                 code="invalid_api_key",
             )
@@ -206,15 +188,15 @@ def _key_check(api_key: str | None):
 def _v1_routes(server: OpenAIServer, keyed: list) -> APIRouter:
     v1 = APIRouter(prefix="/v1", dependencies=keyed)
 
-    @v1.post("/completions", **_post_doc(CompletionRequest, "The completion"))
+    @v1.post("/completions", **post_doc(CompletionRequest, "The completion"))
     async def completions(request: Request):
         return await serve_completion(server, request)
 
-    @v1.post("/chat/completions", **_post_doc(ChatCompletionRequest, "The chat completion"))
+    @v1.post("/chat/completions", **post_doc(ChatCompletionRequest, "The chat completion"))
     async def chat_completions(request: Request):
         return await serve_chat(server, request)
 
-    @v1.get("/models", responses=_errors(401))
+    @v1.get("/models", responses=error_docs(401))
     async def models():
         card = {
             "id": server.opts.served_model_name,
@@ -225,6 +207,8 @@ def _v1_routes(server: OpenAIServer, keyed: list) -> APIRouter:
         }
         return {"object": "list", "data": [card]}
 
+    v1.include_router(responses.routes(server))  # OpenAI's Responses API
+    v1.include_router(messages.routes(server))  # Anthropic's Messages API
     return v1
 
 
@@ -234,7 +218,7 @@ def _token_routes(app: FastAPI, server: OpenAIServer, keyed: list) -> None:
     @app.post(
         "/tokenize",
         dependencies=keyed,
-        **_post_doc(TokenizeRequest, "`count`, `max_model_len`, `tokens`", stream=False),
+        **post_doc(TokenizeRequest, "`count`, `max_model_len`, `tokens`", stream=False),
     )
     async def tokenize(request: Request):
         return await tokenize_route(server, request)
@@ -242,7 +226,7 @@ def _token_routes(app: FastAPI, server: OpenAIServer, keyed: list) -> None:
     @app.post(
         "/detokenize",
         dependencies=keyed,
-        **_post_doc(DetokenizeRequest, "`prompt`: the text of the ids", stream=False),
+        **post_doc(DetokenizeRequest, "`prompt`: the text of the ids", stream=False),
     )
     async def detokenize(request: Request):
         return await detokenize_route(server, request)

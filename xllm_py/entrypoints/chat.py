@@ -93,6 +93,17 @@ class ChatChoice(ChoiceOutput):
 
 async def serve_chat(server: OpenAIServer, request: Request) -> Response:
     req = await server.read_body(request, ChatCompletionRequest)
+    outputs = await chat_outputs(server, req)
+    answer = Answer.of(server, req, "chat.completion", "chatcmpl-", outputs)
+    answer.prompt_logprobs_at_top = True
+    return await server.respond(request, req, answer)
+
+
+async def chat_outputs(server: OpenAIServer, req: ChatCompletionRequest) -> list[ChatChoice]:
+    """A chat request's choices, admitted to the engine: its messages rendered, its
+    tool_choice or structured output compiled, each choice's reader (reasoning split,
+    tool calls) set up. The other APIs (Responses, Messages) convert their bodies into a
+    ChatCompletionRequest and read these choices' chat deltas and final messages."""
     server.admit(0)  # draining or dead: refuse before rendering anything
     opts = server.opts
     mode, named = req.tool_mode(opts.tool_call_parser, opts.enable_auto_tool_choice)
@@ -108,7 +119,7 @@ async def serve_chat(server: OpenAIServer, request: Request) -> Response:
         server.choices, req, [text], req.output_limit, req.num_logprobs(), structured
     )
     server.admit(len(choices))  # each choice (n) is one engine request
-    outputs = [
+    return [
         ChatChoice(
             c,
             server.formatter,
@@ -118,6 +129,3 @@ async def serve_chat(server: OpenAIServer, request: Request) -> Response:
         )
         for c in choices
     ]
-    answer = Answer.of(server, req, "chat.completion", "chatcmpl-", outputs)
-    answer.prompt_logprobs_at_top = True
-    return await server.respond(request, req, answer)

@@ -16,7 +16,7 @@ that talk to vLLM expect (docs/api_fields.md has the table):
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -161,6 +161,9 @@ class _Body(BaseModel):
     `extra_fields` to sort out (ignored, refused, or unknown)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    # undeclared fields this API lets pass (a warning-free no-op) or refuses unless neutral
+    IGNORED: ClassVar[frozenset[str]] = IGNORED_FIELDS
+    REFUSED: ClassVar[dict[str, tuple]] = REFUSED_FIELDS
 
     def extra_fields(self, prefix: str = "") -> dict[str, Any]:
         return {prefix + k: v for k, v in (self.model_extra or {}).items()}
@@ -177,10 +180,10 @@ class _Body(BaseModel):
             param = name.split(".")[0]
             if strict:
                 raise APIError(400, f"{name}: unknown field (--strict_request_fields)", param=param)
-            if name in REFUSED_FIELDS:
-                if not any(value == v and type(value) is type(v) for v in REFUSED_FIELDS[name]):
+            if name in self.REFUSED:
+                if not any(value == v and type(value) is type(v) for v in self.REFUSED[name]):
                     raise APIError(400, f"{name}: not supported by this server", param=param)
-            elif name not in IGNORED_FIELDS:
+            elif name not in self.IGNORED:
                 unknown.append(name)
         return unknown
 
