@@ -83,6 +83,13 @@ LONGEST_FILES = [
     "test_mtp_sweep.py",
     "test_grammar_limits.py",
     "test_stream_backpressure.py",
+    "test_responses_api.py",
+    "test_messages_api.py",
+    "test_hf_reference.py",
+    "test_kernel_backends.py",
+    "test_dsml_parser.py",
+    "test_api_consistency.py",
+    "test_train_mtp_head.py",
 ]
 
 

@@ -20,7 +20,7 @@ import pytest
 from tests.server_utils import Server
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
-EXAMPLES_PER_OPERATION = 20  # plus the coverage phase's boundary cases: > 1,000 in all
+EXAMPLES_PER_OPERATION = 10  # plus the coverage phase's boundary cases: > 1,000 in all
 MIN_CASES = 500
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/responses",
           "/v1/messages", "/v1/messages/count_tokens")  # fmt: skip
@@ -42,8 +42,8 @@ MAX_RESPONSE_TIME = 60
 
 @pytest.fixture(scope="module")
 def server():
-    # a short context keeps every generated request cheap (up to 16 choices x 48 tokens)
-    with Server("--num_speculative_tokens=1", "--max_model_len=48", "--dtype=float32") as s:
+    # a short context keeps every generated request cheap (up to 16 choices x 32 tokens)
+    with Server("--num_speculative_tokens=1", "--max_model_len=32", "--dtype=float32") as s:
         yield s
 
 
