@@ -173,6 +173,31 @@ def test_fused_moe_on_packed_experts_matches_the_reference(T, top_k, n_local, dt
         assert got[1].eq(0).all()
 
 
+@pytest.fixture(scope="module")
+def kimi_k2_experts():
+    """8 experts at Kimi-K2's shapes (hidden 7168, I 2048, group 32), packed and dequantised."""
+    g = torch.Generator().manual_seed(0)
+    return int4_experts(8, 2 * 2048, 7168, g), int4_experts(8, 7168, 2048, g)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("T", [1, 64, 512])
+def test_fused_moe_on_packed_experts_on_cuda_at_kimi_k2_shapes(kimi_k2_experts, T):
+    """bf16 activations, top 8: the kernels on the packed words match the reference on the
+    same weights dequantised by the load-time code."""
+    ((w13, plain13), (w2, plain2)), n_local, dev = kimi_k2_experts, 8, "cuda"
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 7168, generator=g).to(dev, torch.bfloat16)
+    ids = make_ids(T, 8, n_local, g).to(dev)
+    weights = (torch.rand(T, 8, generator=g) * 2).to(dev)
+    got = fused_moe_triton(x, weights, ids, w13.to(dev), w2.to(dev), n_local)
+    # on a GPU the kernels round each dequantised weight to bf16 once, before the dot
+    bf16 = dict(device=dev, dtype=torch.bfloat16)
+    want = fused_moe_reference(x, weights, ids, plain13.to(**bf16), plain2.to(**bf16), n_local)
+    torch.testing.assert_close(got.float(), want.float(), **TOL["cuda"])
+
+
 # Lowers both kernels with INT4 weights for sm_90, in bf16 and fp32, and prints whether each
 # IR unpacks (tt.reshape) and multiplies (tt.dot). The DOT constexpr is a Triton dtype,
 # which tests/triton_lowering.py's JSON cases cannot carry, hence this small script.

@@ -16,7 +16,11 @@ def interpreted(kernel) -> bool:
 def check_launch(kernel, device: torch.device, what: str) -> None:
     """Refuse, naming the fix, a launch that cannot run. `kernel` is the launcher's
     @triton.jit kernel, None when `triton` could not be imported. CPU tensors need the
-    interpreter, which Triton reads when a kernel is *defined* (its module imported)."""
+    interpreter, which Triton reads when a kernel is *defined* (its module imported).
+    Under torch.compile nothing is checked: Dynamo cannot trace the isinstance on a Triton
+    kernel, and the eager warm-up run before the graphs already passed these checks."""
+    if torch.compiler.is_compiling():
+        return
     if kernel is None:
         raise RuntimeError(
             f"{what} needs the `triton` package, which could not be imported; install "
