@@ -12,6 +12,8 @@
 #   MODEL_PATH (empty: bundled)   DRAFT_MODEL_PATH (empty: the MTP layer in MODEL_PATH)
 #   NNODES=2  DEVICE_TYPE=cpu|cuda|npu  START_DEVICE=0  START_PORT=13222  HOST=127.0.0.1
 #   MASTER_NODE_ADDR=127.0.0.1:42123  NUM_SPECULATIVE_TOKENS=1  EP_SIZE=1  DP_SIZE=1 (tensor parallel over all nodes)
+#   ENABLE_DP_ATTENTION=false (true: DP attention, each node its own requests and KV cache,
+#     the routed experts spread over all nodes; set DP_SIZE and EP_SIZE to NNODES)
 #   MAX_MEMORY_UTILIZATION=0.90  MAX_TOKENS_PER_BATCH=10000  MAX_SEQS_PER_BATCH=256
 #   BLOCK_SIZE=128  ENABLE_PREFIX_CACHE=true  ENABLE_CHUNKED_PREFILL=true
 #   LOG_DIR=log (node_$i.log, cluster.pids)  HEALTH_TIMEOUT=300  STOP_TIMEOUT=60  EXTRA_ARGS=""
@@ -70,6 +72,7 @@ MASTER_NODE_ADDR="${MASTER_NODE_ADDR:-127.0.0.1:42123}"
 NUM_SPECULATIVE_TOKENS="${NUM_SPECULATIVE_TOKENS:-1}"
 EP_SIZE="${EP_SIZE:-1}"
 DP_SIZE="${DP_SIZE:-1}"
+ENABLE_DP_ATTENTION="${ENABLE_DP_ATTENTION:-false}"
 MAX_MEMORY_UTILIZATION="${MAX_MEMORY_UTILIZATION:-0.90}"
 MAX_TOKENS_PER_BATCH="${MAX_TOKENS_PER_BATCH:-10000}"
 MAX_SEQS_PER_BATCH="${MAX_SEQS_PER_BATCH:-256}"
@@ -344,6 +347,7 @@ node_words() {  # node_words RANK PYTHON: sets WORDS, the command line of node R
     --max_memory_utilization="$MAX_MEMORY_UTILIZATION"
     --max_tokens_per_batch="$MAX_TOKENS_PER_BATCH" --max_seqs_per_batch="$MAX_SEQS_PER_BATCH"
     --enable_mla=true --block_size="$BLOCK_SIZE" --ep_size="$EP_SIZE" --dp_size="$DP_SIZE"
+    --enable_dp_attention="$ENABLE_DP_ATTENTION"
     --enable_prefix_cache="$ENABLE_PREFIX_CACHE"
     --enable_chunked_prefill="$ENABLE_CHUNKED_PREFILL" --host "${NODE_BIND[i]}"
     --cluster_token_file="$(node_token_file "$i")"

@@ -1,6 +1,7 @@
-"""Run a function on two real processes joined by torch.distributed (gloo), each holding
-its tensor-parallel shard of whatever model the function loads: the harness of the
-tensor-parallel and distribution tests."""
+"""Run a function on two (or `world`) real processes joined by torch.distributed (gloo),
+each holding its tensor-parallel shard (or, with DP attention, its share of the routed
+experts) of whatever model the function loads: the harness of the tensor-parallel,
+DP-attention and distribution tests."""
 
 from __future__ import annotations
 
@@ -30,18 +31,24 @@ def use_parallel_workers(parallel: ParallelContext) -> None:
     worker.Worker = functools.partial(worker.Worker, parallel=parallel)
 
 
-def _rank_main(rank: int, port: int, ep_size: int, work: Callable, out_dir: Path) -> None:
+def _rank_main(
+    rank: int, port: int, ep_size: int, work: Callable, out_dir: Path, world: int, dp: bool
+) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
-            world_size=WORLD,
+            world_size=world,
             timeout=timedelta(seconds=DEADLINE_S),
         )
-        parallel = ParallelContext.from_group(ep_size=ep_size)
-        assert (parallel.tp_rank, parallel.tp_size, parallel.ep_size) == (rank, WORLD, ep_size)
+        if dp:  # DP attention: every rank its own requests, the routed experts shared
+            parallel = ParallelContext.for_dp_attention()
+            assert (parallel.dp_rank, parallel.dp_size, parallel.ep_size) == (rank, world, world)
+        else:
+            parallel = ParallelContext.from_group(ep_size=ep_size)
+            assert (parallel.tp_rank, parallel.tp_size, parallel.ep_size) == (rank, world, ep_size)
         torch.save(work(parallel), out_dir / f"rank{rank}.pt")
         dist.destroy_process_group()
     except BaseException:
@@ -55,14 +62,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(ep_size: int, work: Callable, out_dir: Path) -> list:
-    """`work(parallel)` on each rank (a picklable, module-level callable); both ranks'
-    results. A failing or hanging rank fails the test, and no process outlives it."""
+def run_ranks(
+    ep_size: int, work: Callable, out_dir: Path, world: int = WORLD, dp_attention: bool = False
+) -> list:
+    """`work(parallel)` on each of `world` ranks (a picklable, module-level callable); every
+    rank's result. `dp_attention`: the ranks' contexts are DP attention's (ep_size is then
+    the world). A failing or hanging rank fails the test, and no process outlives it."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, port, ep_size, work, out_dir), daemon=True)
-        for r in range(WORLD)
+        ctx.Process(
+            target=_rank_main,
+            args=(r, port, ep_size, work, out_dir, world, dp_attention),
+            daemon=True,
+        )
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -80,5 +94,25 @@ def run_ranks(ep_size: int, work: Callable, out_dir: Path) -> list:
     errors = [f.read_text() for f in sorted(out_dir.glob("rank*.err"))]
     assert not errors, "\n".join(errors)
     codes = [p.exitcode for p in procs]
-    assert codes == [0] * WORLD, f"rank exit codes {codes} (killed after {DEADLINE_S} s?)"
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+    assert codes == [0] * world, f"rank exit codes {codes} (killed after {DEADLINE_S} s?)"
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+
+
+def lockstep_generate(llm, prompts: dict[int, list[int]], params, parallel: ParallelContext):
+    """DP attention: this rank's requests ({index: prompt ids}) stepped while any rank has
+    work, as the master's engine core steps its replicas; ({index: (tokens, logprobs)},
+    the steps this rank ran)."""
+    engine = llm.engine
+    engine.core.lockstep = True
+    for i, p in prompts.items():
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done, steps = {}, 0
+    while True:
+        busy = torch.tensor([int(engine.has_unfinished())])
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=parallel.dp_group)
+        if not busy.item():
+            return done, steps
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = (out.outputs[0].token_ids, out.outputs[0].logprobs)

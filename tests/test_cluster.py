@@ -148,6 +148,9 @@ def test_layout_errors_name_the_numbers():
     with pytest.raises(ValueError, match="n_routed_experts=8 .* not divisible by --ep_size=3"):
         ClusterLayout(3, 1, 3).check_model(six_heads)
     assert ClusterLayout(4, 2).ranks_of(1) == [2, 3]
+    with pytest.raises(ValueError, match="--enable_dp_attention needs --dp_size and --ep_size"):
+        ClusterLayout(2, 1, 2, dp_attention=True)  # TP inside a DP rank: not implemented
+    assert ClusterLayout(4, 4, 4, dp_attention=True).to_pb().dp_attention
 
 
 def test_cli_refuses_bad_cluster_flags():
@@ -167,6 +170,11 @@ def test_cli_refuses_bad_cluster_flags():
         "--nnodes=3", "--dp_size=2", "--master_node_addr=127.0.0.1:1"
     )
     assert "num_attention_heads=4" in err("--nnodes=3", "--master_node_addr=127.0.0.1:1")
+    dpa = ("--nnodes=2", "--master_node_addr=127.0.0.1:1", "--enable_dp_attention")
+    assert "--enable_dp_attention needs --dp_size and --ep_size equal to --nnodes" in err(*dpa)
+    assert "--enable_dp_attention with --enable_graph=true is not implemented" in err(
+        *dpa, "--dp_size=2", "--ep_size=2", "--enable_graph=true"
+    )
 
 
 # ---- real processes -----------------------------------------------------------------------------
@@ -280,14 +288,16 @@ LAYOUTS = {
     "dp": ("--dp_size=2",),  # two full replicas
     "tp": ("--dp_size=1",),  # one replica over two ranks: heads and expert columns split
     "ep": ("--dp_size=1", "--ep_size=2"),  # experts partitioned between the two ranks
+    # DP attention: each rank its own requests and KV, the experts partitioned, all-to-all
+    "dpa": ("--dp_size=2", "--ep_size=2", "--enable_dp_attention=true"),
 }
 
 
 # every layout with MTP, and plain decoding (no drafts on the wire) in one of them
 @pytest.mark.parametrize(
     "layout, k",
-    [("dp", 1), ("tp", 1), ("ep", 1), ("dp", 0)],
-    ids=["mtp-dp", "mtp-tp", "mtp-ep", "plain-dp"],
+    [("dp", 1), ("tp", 1), ("ep", 1), ("dpa", 2), ("dp", 0)],
+    ids=["mtp-dp", "mtp-tp", "mtp-ep", "mtp2-dp-attention", "plain-dp"],
 )
 def test_two_node_greedy_equals_one_node(layout, k, offline_greedy):
     """Every output is the offline API's; the worker served steps (as replica 1, or as rank
@@ -384,11 +394,14 @@ def unhealthy(url: str) -> bool:
         return True
 
 
-def test_worker_killed_mid_stream_fails_every_client():
+@pytest.mark.parametrize("layout", ["dp", "dpa"])
+def test_worker_killed_mid_stream_fails_every_client(layout):
     """Eight whole streams (1500 tokens: still running at the kill, by construction) over
     both replicas; the worker is killed: every client gets an error event and [DONE] within
-    --heartbeat_timeout (+ margin), /health is not 200, the master exits 1."""
-    with Cluster("--dtype=float32", CACHE, f"--heartbeat_timeout={HEARTBEAT_TIMEOUT_S:g}") as c:
+    --heartbeat_timeout (+ margin), /health is not 200, the master exits 1. With DP
+    attention ("dpa") the master's own rank waits for the dead one in the experts' exchange."""
+    flags = ("--dtype=float32", CACHE, f"--heartbeat_timeout={HEARTBEAT_TIMEOUT_S:g}")
+    with Cluster(*flags, layout=LAYOUTS[layout]) as c:
         c.wait_healthy()
         started = concurrent.futures.Future()
         counter = []
@@ -410,7 +423,8 @@ def test_worker_killed_mid_stream_fails_every_client():
         for events, done in results:
             assert "error" in events[-1], events[-1]
             assert done
-        assert any("worker rank 1" in e[-1]["error"]["message"] for e, _ in results)
+        messages = [e[-1]["error"]["message"] for e, _ in results]
+        assert any("worker rank 1" in m for m in messages), messages
         assert unhealthy(c.url)
         assert c.master.wait(60) == 1
         assert c.worker.proc.poll() is not None

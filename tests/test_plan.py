@@ -199,6 +199,8 @@ def test_kv_cache_and_capacity(replica, plan16):
         (dict(tp=16, ep=4), "--ep=4"),
         (dict(weight_dtype="fp16"), "--weight_dtype=fp16"),
         (dict(max_memory_utilization=1.5), "--max_memory_utilization=1.5"),
+        (dict(dp_attention=True, tp=16), "--tp=16"),  # DP attention runs tp 1
+        (dict(dp_attention=True, ep=8), "--ep=8"),  # its experts span all 16 devices
     ],
 )
 def test_bad_flags_are_named(replica, kw, flag):
@@ -217,7 +219,7 @@ def test_cli(replica):
     assert helped.returncode == 0
     for flag in ("--model", "--devices", "--tp", "--ep", "--device_memory_gb", "--block_size",
                  "--max_memory_utilization", "--activation_reserve_gb", "--weight_dtype",
-                 "--num_speculative_tokens"):  # fmt: skip
+                 "--num_speculative_tokens", "--dp_attention"):  # fmt: skip
         assert flag in helped.stdout
     run = _cli("--model", str(replica), "--devices", "8", "--tp", "8", "--ep", "8",
                "--device_memory_gb", "141")  # fmt: skip
@@ -225,6 +227,64 @@ def test_cli(replica):
     per_token = "per token  62 cache layers x (512 latent + 64 roped key) x 2 B = 71,424 B"
     for line in ("671.03 B", per_token, "tp 8, ep 8"):
         assert line in run.stdout
+
+
+def _row(text: str, label: str) -> list[str]:
+    """The cells of one row of the DP-attention comparison: [TP/EP, DP attention]."""
+    line = next(x for x in text.splitlines() if x.startswith(f"  {label}  "))
+    return line.removeprefix(f"  {label}").split()
+
+
+@pytest.mark.parametrize("devices,memory", [(16, 64), (8, 141)])
+def test_dp_attention_stores_each_token_on_one_rank(replica, plan16, devices, memory):
+    """DP attention over N ranks caches a token's latent on the one rank that serves its
+    request, where TP/EP over the same N stores it on all N: at least (N - 1) / N fewer
+    KV bytes per token per rank (the acceptance line of issue 37 at N = 16), the same
+    bytes per token in each process. The price: attention, dense layers, embedding and
+    head whole on every rank. On 16 x 64 GiB that leaves no room for a KV block (the plan
+    says so); on 8 x 141 GiB the cluster holds ~5x the tokens of TP8/EP8."""
+    dp = make_plan(replica, devices, dp_attention=True, device_memory_gb=memory)
+    tp = dp.tp_layout
+    assert (dp.opts.tp, dp.opts.ep, dp.opts.dp) == (1, devices, devices)
+    assert (tp.opts.tp, tp.opts.ep, tp.opts.dp_attention) == (devices, devices, False)
+    assert dp.kv_bytes_per_token == tp.kv_bytes_per_token == 62 * (512 + 64) * 2
+    tp_kv, dp_kv = tp.kv_bytes_per_token_per_rank, dp.kv_bytes_per_token_per_rank
+    assert tp_kv == tp.kv_bytes_per_token  # every rank stores every token
+    assert tp_kv - dp_kv >= tp_kv * (devices - 1) / devices
+    # the routed experts as under EP, the rest whole: dense and vocab rows N x TP's share
+    assert dp.rank_bytes("experts") == tp.rank_bytes("experts")
+    assert dp.rank_bytes("dense") == devices * tp.rank_bytes("dense")
+    assert dp.rank_bytes("embedding/head") == 2 * 2 * 129280 * 7168
+    text = format_plan(dp)
+    kv = _row(text, "KV bytes per token per rank")
+    assert kv == [f"{tp.kv_bytes_per_token:,}", "B", f"{tp.kv_bytes_per_token // devices:,}", "B"]
+    tokens = _row(text, "tokens in the cluster")
+    assert tokens == [f"{tp.cluster_tokens:,}", f"{dp.cluster_tokens:,}"]
+    if devices == 16:
+        assert plan16.rank_bytes() == tp.rank_bytes()
+        assert dp.kv_budget < 0 and dp.cluster_tokens == 0 and "does not fit" in text
+    else:
+        assert dp.cluster_tokens > 4 * tp.cluster_tokens > 0
+        assert f"cluster    x dp 8 = {dp.cluster_tokens:,} tokens" in text
+
+
+def test_traffic_per_token_step_by_hand():
+    """The bundled model: hidden 256, 8 layers of which 7 MoE, top_k 2, bf16, 4 devices.
+    TP/EP all-reduces 2 x 8 layers x 256 x 2 B; DP attention sends and gets back top_k
+    rows of 256 x 2 B per MoE layer, 3/4 of them to other ranks."""
+    dp = make_plan(bundled_model(), 4, dp_attention=True)
+    tp = dp.tp_layout
+    assert tp.all_reduce_bytes_per_token == 2 * 8 * 256 * 2 == 8192
+    assert dp.all_to_all_bytes_per_token == 2 * 2 * 256 * 2 * 3 / 4 * 7 == 10752
+    assert tp.all_to_all_bytes_per_token == dp.all_reduce_bytes_per_token == 0
+    assert tp.bytes_sent_per_token == 4 * 8192 * 2 * 3 / 4  # a ring, from each of 4 ranks
+    text = format_plan(dp)
+    assert _row(text, "all-reduce bytes per token per step") == ["8,192", "0"]
+    assert _row(text, "all-to-all bytes per token per step") == ["0", "10,752"]
+    # 4 heads cannot be split 8 ways: DP attention alone, and why
+    alone = make_plan(bundled_model(), 8, dp_attention=True)
+    assert "num_attention_heads=4" in alone.tp_layout
+    assert "--tp=8: num_attention_heads=4" in format_plan(alone)
 
 
 def test_cli_error_names_the_flag(replica, capsys):

@@ -156,6 +156,9 @@ def test_each_node_gets_its_rank_device_and_bundle():
         "10.0.0.7:9",
         "cuda:0",
     )
+    dpa = ["--launcher=ray", "--nnodes=2", "--dp_size=2", "--ep_size=2", "--enable_dp_attention"]
+    node = build_parser().parse_args(node_argv(build_parser().parse_args(dpa), 1, "h:9", "cpu"))
+    assert (node.dp_size, node.ep_size, node.enable_dp_attention) == (2, 2, True)
     cpu = build_parser().parse_args(["--launcher=ray", "--nnodes=2", "--ray_cpus_per_node=3"])
     assert bundles(cpu, "h")[1] == {"CPU": 3.0}
 

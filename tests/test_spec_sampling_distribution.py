@@ -16,7 +16,9 @@ drafts as if they were greedy (one-hot q) stays exact given the draft, so it pas
 here; it is caught by the acceptance rate in tests/test_rejection_sampler.py. Position 0
 comes from the prefill (no draft is involved); positions 1..4 come through verification,
 with accepted runs, rejections and bonus tokens all occurring. One setting also runs on
-a 2-process tensor-parallel engine (gloo), against the in-process plain samples; the same
+a 2-process tensor-parallel engine (gloo), and on 2 DP-attention ranks (k = 2, each rank
+its own 1,000 requests, the experts shared; tests/test_dp_attention.py's lockstep loop),
+against the in-process plain samples; the same
 comparison in graph mode is in tests/test_graph_mode.py (sharing the engine compiled
 there), with this file's prompt, plain arm and helpers.
 """
@@ -28,7 +30,7 @@ import functools
 import pytest
 
 from tests.chisquare import ALPHA, homogeneity
-from tests.ranks import run_ranks, use_parallel_workers
+from tests.ranks import lockstep_generate, run_ranks, use_parallel_workers
 from xllm_py import LLM, SamplingParams
 from xllm_py.sampling_params import StructuredOutput
 from xllm_py.sharegpt import held_out_user_turns
@@ -150,6 +152,26 @@ def test_tensor_parallel_speculative_sampling_keeps_the_distribution(ids, plain,
     ranks = run_ranks(1, functools.partial(_rank_sample, ids, setting, 2, 21), tmp_path)
     assert ranks[0] == ranks[1]  # one engine: both ranks sampled the same tokens
     assert_same_distribution(plain[setting], ranks[0], f"TP 2, k=2 vs plain, {setting}")
+
+
+def _dp_rank_sample(ids: list[int], setting: str, parallel) -> list[list[int]]:
+    use_parallel_workers(parallel)
+    llm = engine(2, seed=30 + parallel.dp_rank)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **SETTINGS[setting])
+    lockstep_generate(llm, {0: ids}, params, parallel)  # fills each rank's prefix cache
+    n = SAMPLES // parallel.dp_size
+    done, _ = lockstep_generate(llm, dict.fromkeys(range(n), ids), params, parallel)
+    m = llm.get_metrics()
+    assert 0 < m.accepted_tokens < m.draft_tokens  # drafts accepted and rejected
+    return [done[i][0] for i in range(n)]
+
+
+def test_dp_attention_speculative_sampling_keeps_the_distribution(ids, plain, tmp_path):
+    setting = "t1.0"
+    work = functools.partial(_dp_rank_sample, ids, setting)
+    ranks = run_ranks(2, work, tmp_path, world=2, dp_attention=True)
+    assert ranks[0] != ranks[1]  # two ranks, two generators
+    assert_same_distribution(plain[setting], ranks[0] + ranks[1], f"DP attention, k=2, {setting}")
 
 
 def test_speculative_sampling_with_a_hot_vocabulary_keeps_the_distribution(ids, plain):

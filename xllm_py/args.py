@@ -299,6 +299,11 @@ class EngineArgs:
     dp_size: int = option(1, "cluster", "data-parallel replicas of the model, each of nnodes / "
         "dp_size ranks (tensor parallel inside a replica); the master schedules requests over "
         "them", check=at_least(1), offline=False)  # fmt: skip
+    enable_dp_attention: bool = option(False, "cluster", "DP attention (SGLang's name; vLLM: "
+        "--data-parallel-size with --enable-expert-parallel): each of the nnodes ranks runs "
+        "attention and the dense layers whole for its own requests, with its own KV cache, "
+        "and the routed experts are spread over all ranks, tokens sent to their experts' "
+        "ranks by all-to-all; needs --dp_size=--ep_size=--nnodes", offline=False)  # fmt: skip
     cluster_timeout: float = option(120.0, "cluster", "seconds the master waits for every worker "
         "to register (and a worker for the master to answer)", offline=False)  # fmt: skip
     heartbeat_timeout: float = option(5.0, "cluster", "a worker silent to the master's health "
@@ -392,6 +397,11 @@ class EngineArgs:
             raise ValueError(
                 f"--nnodes={self.nnodes}: --master_node_addr=host:port of node 0 is required"
             )
+        if self.enable_dp_attention and self.enable_graph:
+            raise ValueError(
+                "--enable_dp_attention with --enable_graph=true is not implemented: the "
+                "experts' all-to-all runs eager (--enable_graph=false)"
+            )
         if self.is_cluster:
             from xllm_py.cluster.security import check_flags
 
@@ -402,7 +412,7 @@ class EngineArgs:
 
     @property
     def is_cluster(self) -> bool:
-        return self.nnodes > 1 or self.ep_size > 1 or self.dp_size > 1
+        return self.nnodes > 1 or self.ep_size > 1 or self.dp_size > 1 or self.enable_dp_attention
 
     @property
     def graph_mode(self) -> bool:
@@ -487,7 +497,7 @@ class EngineArgs:
         from xllm_py.cluster.security import INSECURE, load_security
 
         return ClusterOptions(
-            ClusterLayout(self.nnodes, self.dp_size, self.ep_size),
+            ClusterLayout(self.nnodes, self.dp_size, self.ep_size, self.enable_dp_attention),
             self.node_rank,
             self.master_node_addr or "127.0.0.1:1",
             self.cluster_timeout,

@@ -12,6 +12,14 @@ prints, without loading a weight:
   - KV cache bytes per token and per block, and the tokens that fit per replica and in
     the cluster at --max_memory_utilization.
 
+With --dp_attention (tp 1, ep = devices) each of the N ranks is a replica for all but the
+routed experts: attention with every head over its own requests, their latents only;
+dense layers, shared experts, embedding and lm_head whole on every rank; the routed
+experts partitioned over all N, reached by all-to-all. A token's latent is then stored on
+one rank instead of on each of a TP replica's ranks. The plan prints that layout beside
+the TP/EP one on the same devices (tp = ep = N): weights, KV bytes a cached token costs
+each rank, token capacity, and the bytes a token sends per decode step (`Traffic`).
+
 What stays resident after `process_weights_after_loading` is added explicitly: the MLA
 absorbed-decode copies `w_uk`/`w_uv` (one copy of kv_b_proj, in the compute dtype) and
 each RMSNorm's float32 `scale`; fused matrices (w_in, w13, w2) replace their parts.
@@ -80,10 +88,19 @@ class Options:
     model: str = _opt(None, "checkpoint directory: config.json and safetensors files (only "
                       "their headers are read, so a header-only replica will do)")
     devices: int = _opt(None, "devices in the cluster")
-    tp: int = _opt(0, "tensor-parallel ranks per replica (0: --devices); must divide "
-                   "--devices; dp = devices / tp replicas")
-    ep: int = _opt(1, "expert-parallel size: 1 (every expert split over tp) or --tp (each "
-                   "rank holds n_routed_experts / ep experts whole)")
+    tp: int = _opt(0, "tensor-parallel ranks per replica (0: --devices, or 1 with "
+                   "--dp_attention); must divide --devices; dp = devices / tp replicas")
+    ep: int = _opt(0, "expert-parallel size (0: 1, or --devices with --dp_attention): 1 "
+                   "(every expert split over tp) or --tp (each rank holds n_routed_experts "
+                   "/ ep experts whole); with --dp_attention only --devices")
+    dp_attention: bool = _opt(False, "DP attention (SGLang's --enable-dp-attention; vLLM's "
+                              "--data-parallel-size N --enable-expert-parallel): each of "
+                              "the --devices ranks runs attention with every head for its "
+                              "own requests and caches only their tokens; dense layers, "
+                              "shared experts, embedding and lm_head whole on every rank; "
+                              "routed experts partitioned over all ranks (tp 1, ep = "
+                              "devices). Also prints the TP layout (tp = ep = devices) and "
+                              "each layout's bytes sent per token per step")
     device_memory_gb: float = _opt(64.0, "memory of one device, in GiB")
     max_memory_utilization: float = _opt(0.9, "fraction of a device's memory the engine may "
                                          "use, weights included")
@@ -107,9 +124,39 @@ class Options:
         return self.devices // self.tp
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one token sends between ranks in one decode step, through the target's
+    decoder layers in the compute dtype (each MTP draft pass adds one layer's worth; the
+    TP layout's embedding all-reduce and logits all-gather are not counted).
+
+    TP/EP (tp > 1): every layer sums the token's hidden state over the replica twice,
+    after o_proj and after the MLP or MoE: 2 x layers x hidden x bytes. That is the
+    all-reduce's payload; a ring all-reduce moves 2 (tp - 1) / tp of it out of each rank.
+
+    DP attention + EP over N ranks: every MoE layer sends the token's hidden state to the
+    ranks of its top_k experts (dispatch) and gets their outputs back (combine), one row
+    per (token, expert); with the experts spread evenly, (N - 1) / N of the top_k rows
+    leave the rank: 2 x top_k x hidden x bytes x (N - 1) / N per MoE layer. Attention and
+    dense layers send nothing."""
+
+    layers: int
+    moe_layers: int
+    hidden_size: int
+    top_k: int
+    dtype_bytes: int
+
+    def all_reduce(self, tp: int) -> int:
+        return 2 * self.layers * self.hidden_size * self.dtype_bytes if tp > 1 else 0
+
+    def all_to_all(self, ranks: int) -> float:
+        row = self.hidden_size * self.dtype_bytes
+        return 2 * self.moe_layers * self.top_k * row * (ranks - 1) / ranks
+
+
 @dataclass
 class Plan:
-    opts: Options  # tp and weight_dtype resolved (no 0 / auto)
+    opts: Options  # tp, ep and weight_dtype resolved (no 0 / auto)
     totals: dict[str, int]  # parameter counts from the headers
     tensors: list[RankTensor] = field(repr=False)  # what rank 0 holds
     cache_layers: int
@@ -118,6 +165,9 @@ class Plan:
     # what a cached token holds per layer, in elements: the MLA latent, the roped key, and
     # under DSA (DeepSeek-V3.2) the indexer's key beside them
     kv_parts: dict[str, int] = field(default_factory=dict)
+    traffic: Traffic | None = None  # (make_plan sets it)
+    # with --dp_attention: the TP/EP layout on the same devices, or why it cannot be built
+    tp_layout: Plan | str | None = field(default=None, repr=False)
 
     def rank_bytes(self, kind: str = "total") -> int:
         return sum(t.nbytes for t in self.tensors if kind in ("total", t.kind))
@@ -135,8 +185,43 @@ class Plan:
 
     @property
     def tokens_per_replica(self) -> int:
-        """Whole blocks that fit; a replica's ranks all hold the same tokens' latents."""
+        """Whole blocks that fit; a replica's ranks all hold the same tokens' latents (under
+        DP attention a replica, for attention, is one rank). One request's tokens are in
+        one replica: this is the most one request can hold."""
         return max(0, self.kv_budget // self.kv_bytes_per_block) * self.opts.block_size
+
+    @property
+    def cluster_tokens(self) -> int:
+        return self.tokens_per_replica * self.opts.dp
+
+    @property
+    def kv_copies(self) -> int:
+        """Ranks that store each cached token: all tp ranks of its replica, or one rank
+        under DP attention."""
+        return 1 if self.opts.dp_attention else self.opts.tp
+
+    @property
+    def kv_bytes_per_token_per_rank(self) -> float:
+        """What a token of the cluster's cache costs each device on average: its bytes x
+        the ranks that store it / the devices. TP16: every rank stores every token whole
+        (the full bytes); DP attention over 16: one rank stores it (1/16 of them)."""
+        return self.kv_bytes_per_token * self.kv_copies / self.opts.devices
+
+    @property
+    def all_reduce_bytes_per_token(self) -> int:
+        return 0 if self.opts.dp_attention else self.traffic.all_reduce(self.opts.tp)
+
+    @property
+    def all_to_all_bytes_per_token(self) -> float:
+        return self.traffic.all_to_all(self.opts.devices) if self.opts.dp_attention else 0
+
+    @property
+    def bytes_sent_per_token(self) -> float:
+        """What all ranks send for one token in one step: the all-to-all's rows, or the
+        ring all-reduce's 2 (tp - 1) / tp x the payload from each of the tp ranks."""
+        return self.all_to_all_bytes_per_token + self.all_reduce_bytes_per_token * 2 * (
+            self.opts.tp - 1
+        )
 
 
 def read_headers(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -212,18 +297,22 @@ def header_totals(headers, cfg: ModelConfig) -> dict[str, int]:
     return t
 
 
-def build_meta(cfg: ModelConfig, tp: int, ep: int, k: int, dtype: torch.dtype):
-    """Rank 0's target (and draft when k > 0) on the meta device; errors name the flag."""
-    if ep not in (1, tp):
+def build_meta(cfg: ModelConfig, tp: int, ep: int, k: int, dtype: torch.dtype, dp: int = 1):
+    """Rank 0's target (and draft when k > 0) on the meta device; errors name the flag.
+    dp > 1: DP attention over dp ranks (tp 1, ep = dp), as the engine builds it."""
+    if dp == 1 and ep not in (1, tp):
         raise ValueError(f"--ep={ep}: must be 1 or equal to --tp={tp}")
+    ctx = ParallelContext(ep_size=ep, dp_size=dp) if dp > 1 else ParallelContext(0, tp, ep)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # what a worker does when it builds its model
     try:
         with torch.device("meta"):
-            target = DeepseekV3ForCausalLM(cfg, ParallelContext(0, tp, ep))
+            target = DeepseekV3ForCausalLM(cfg, ctx)
             draft = DeepseekV3MTP(cfg, target, cfg.num_nextn_predict_layers) if k else None
     except ValueError as e:
-        flag = f"--ep={ep}" if "ep_size" in str(e) else f"--tp={tp}"
+        flag = (
+            f"--devices={dp}" if dp > 1 else f"--ep={ep}" if "ep_size" in str(e) else f"--tp={tp}"
+        )
         raise ValueError(f"{flag}: {e}") from None
     finally:
         torch.set_default_dtype(old)
@@ -309,11 +398,7 @@ def make_plan(model: str | Path, devices: int, **options) -> Plan:
     """The plan for `model` on `devices` devices; `options`: the other `Options` fields.
     Raises ValueError naming the bad flag."""
     o = Options(str(model), devices, **options)
-    tp, mu = o.tp or devices, o.max_memory_utilization
-    if devices < 1:
-        raise ValueError(f"--devices={devices}: must be >= 1")
-    if tp < 1 or devices % tp:
-        raise ValueError(f"--tp={tp}: must divide --devices={devices} (dp = devices / tp)")
+    (tp, ep), mu = _layout(o), o.max_memory_utilization
     if not 0 < mu <= 1:
         raise ValueError(f"--max_memory_utilization={mu}: must be in (0, 1]")
     if o.block_size < 1:
@@ -332,11 +417,12 @@ def make_plan(model: str | Path, devices: int, **options) -> Plan:
         )
     if o.num_speculative_tokens and not cfg.num_nextn_predict_layers:
         raise ValueError(f"--num_speculative_tokens={o.num_speculative_tokens}: no MTP layer")
-    o = replace(o, tp=tp, weight_dtype=wd)
+    o = replace(o, tp=tp, ep=ep, weight_dtype=wd)
     headers = read_headers(model)
-    target, draft = build_meta(cfg, tp, o.ep, o.num_speculative_tokens, _COMPUTE[wd])
+    dp = devices if o.dp_attention else 1
+    target, draft = build_meta(cfg, tp, ep, o.num_speculative_tokens, _COMPUTE[wd], dp)
     cache_layers = target.num_cache_layers + (len(draft.layers) if draft is not None else 0)
-    return Plan(
+    plan = Plan(
         o,
         totals=header_totals(headers, cfg),
         tensors=rank_tensors(cfg, headers, target, draft, wd),
@@ -345,7 +431,48 @@ def make_plan(model: str | Path, devices: int, **options) -> Plan:
         kv_parts={"latent": cfg.kv_lora_rank, "roped key": cfg.qk_rope_head_dim}
         | ({"indexer key": cfg.index_head_dim} if cfg.index_head_dim else {}),
         max_model_len=cfg.max_position_embeddings,
+        traffic=Traffic(
+            cfg.num_hidden_layers,
+            sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers))),
+            cfg.hidden_size,
+            cfg.num_experts_per_tok,
+            _COMPUTE[wd].itemsize,
+        ),
     )
+    if o.dp_attention:
+        plan.tp_layout = _tp_layout(o)
+    return plan
+
+
+def _layout(o: Options) -> tuple[int, int]:
+    """--tp and --ep resolved (0: their defaults) and checked against --devices."""
+    n, dpa = o.devices, o.dp_attention
+    tp, ep = o.tp or (1 if dpa else n), o.ep or (n if dpa else 1)
+    if n < 1:
+        raise ValueError(f"--devices={n}: must be >= 1")
+    if dpa and tp != 1:
+        raise ValueError(
+            f"--tp={tp}: with --dp_attention every rank runs attention with all heads "
+            "(tp 1); leave --tp out"
+        )
+    if dpa and ep != n:
+        raise ValueError(
+            f"--ep={ep}: with --dp_attention the routed experts are partitioned over all "
+            f"--devices={n} ranks; leave --ep out"
+        )
+    if tp < 1 or n % tp:
+        raise ValueError(f"--tp={tp}: must divide --devices={n} (dp = devices / tp)")
+    return tp, ep
+
+
+def _tp_layout(o: Options) -> Plan | str:
+    """The TP/EP plan (tp = ep = devices) for the same options, or why it cannot be built."""
+    same = {f.name: getattr(o, f.name) for f in fields(o) if f.name not in ("model", "devices")}
+    same.update(tp=o.devices, ep=o.devices, dp_attention=False)
+    try:
+        return make_plan(o.model, o.devices, **same)
+    except ValueError as e:
+        return str(e)
 
 
 _KIND_NOTES = {
@@ -357,15 +484,24 @@ _KIND_NOTES = {
     "norms/rope": "decoder and final norms (+ float32 scales), rope tables",
 }
 
+_DP_NOTES = _KIND_NOTES | {
+    "attention": "self_attn.*: every head, whole on every rank; + the w_uk/w_uv copies",
+    "dense": "dense-layer MLPs and shared experts: whole on every rank",
+    "experts": "routed experts (E/ep whole per rank) + router",
+    "embedding/head": "embed_tokens and lm_head: whole on every rank",
+}
+
 
 def format_plan(p: Plan) -> str:
     o, t = p.opts, {k: f"{v / 1e9:8.2f} B" for k, v in p.totals.items()}
     kv_dtype = str(_COMPUTE[o.weight_dtype]).removeprefix("torch.")
+    split = f"tp {o.tp}, ep {o.ep}, dp {o.dp}"
+    if o.dp_attention:
+        split = f"DP attention: dp {o.dp} ranks of tp 1, ep {o.ep}"
     lines = [
         f"memory plan: {o.model}  (from the safetensors headers; nothing loaded)",
-        f"layout: {o.devices} devices x {o.device_memory_gb:g} GiB; tp {o.tp}, ep {o.ep}, "
-        f"dp {o.dp}; weights {o.weight_dtype}; KV cache {kv_dtype}; MTP k = "
-        f"{o.num_speculative_tokens}",
+        f"layout: {o.devices} devices x {o.device_memory_gb:g} GiB; {split}; weights "
+        f"{o.weight_dtype}; KV cache {kv_dtype}; MTP k = {o.num_speculative_tokens}",
         "",
         "parameters (elements of the checkpoint's tensors; FP8 block scales not counted)",
         f"  main model: embedding, decoder layers, norm, head   {t['main']}",
@@ -376,20 +512,26 @@ def format_plan(p: Plan) -> str:
         f"  checkpoint: main model + MTP layer(s)               {t['stored']}"
         f"  (+ {p.totals['scales'] / 1e9:.3f} B float32 FP8 scales)",
         "",
-        "weights per rank (every rank of a replica holds the same)",
+        f"weights per rank (every rank of {'the cluster' if o.dp_attention else 'a replica'}"
+        " holds the same)",
     ]
+    notes = _DP_NOTES if o.dp_attention else _KIND_NOTES
     for kind in KINDS + ("total",):
-        note = _KIND_NOTES.get(kind, "")
+        note = notes.get(kind, "")
         lines.append(f"  {kind:15s} {p.rank_bytes(kind) / GIB:8.2f} GiB   {note}".rstrip())
-    return "\n".join(lines + ["", *_kv_lines(p, kv_dtype)])
+    lines += ["", *_kv_lines(p, kv_dtype)]
+    return "\n".join(lines + (["", *_comparison(p)] if o.dp_attention else []))
 
 
 def _kv_lines(p: Plan, kv_dtype: str) -> list[str]:
     o, per_token, per_block = p.opts, p.kv_bytes_per_token, p.kv_bytes_per_block
     kv_el = _COMPUTE[o.weight_dtype].itemsize
     parts = " + ".join(f"{n} {k}" for k, n in p.kv_parts.items())
+    where = (
+        "each rank holds its own requests' tokens" if o.dp_attention else "full on every tp rank"
+    )
     lines = [
-        f"KV cache ({' + '.join(p.kv_parts)}, {kv_dtype}; full on every tp rank)",
+        f"KV cache ({' + '.join(p.kv_parts)}, {kv_dtype}; {where})",
         f"  per token  {p.cache_layers} cache layers x ({parts}) x "
         f"{kv_el} B = {per_token:,} B ({per_token / 1024:.1f} KiB)",
         *(
@@ -405,12 +547,66 @@ def _kv_lines(p: Plan, kv_dtype: str) -> list[str]:
         f" = {p.kv_budget / GIB:.2f} GiB for the KV cache",
     ]
     if p.kv_budget < per_block:
-        return lines + ["  does not fit: no room for one KV block (more devices, or raise --tp)"]
+        hint = "more devices, or raise --tp"
+        if o.dp_attention:
+            hint = "larger devices: more devices shrink only the experts"
+        return lines + [f"  does not fit: no room for one KV block ({hint})"]
     tokens = p.tokens_per_replica
     return lines + [
-        f"  replica    {tokens // o.block_size:,} blocks = {tokens:,} tokens "
-        f"({tokens / p.max_model_len:.2f} x the {p.max_model_len:,}-token context)",
-        f"  cluster    x dp {o.dp} = {tokens * o.dp:,} tokens",
+        f"  {'rank' if o.dp_attention else 'replica':11s}{tokens // o.block_size:,} blocks = "
+        f"{tokens:,} tokens ({tokens / p.max_model_len:.2f} x the {p.max_model_len:,}-token "
+        "context)",
+        f"  cluster    x dp {o.dp} = {p.cluster_tokens:,} tokens",
+    ]
+
+
+def _gib(v: float) -> str:
+    return f"{v / GIB:.2f} GiB" if v >= 0 else "does not fit"
+
+
+def _count(v: float) -> str:
+    return f"{v:,.0f}"
+
+
+# (label, format, value): the rows of the two layouts' comparison
+_ROWS = (
+    ("weights per rank", _gib, Plan.rank_bytes),
+    ("KV cache per rank", _gib, lambda q: q.kv_budget),
+    ("KV bytes per token per rank", lambda v: f"{v:,.0f} B",
+     lambda q: q.kv_bytes_per_token_per_rank),
+    ("tokens in the cluster", _count, lambda q: q.cluster_tokens),
+    ("tokens one request can hold", _count, lambda q: q.tokens_per_replica),
+    ("all-reduce bytes per token per step", _count, lambda q: q.all_reduce_bytes_per_token),
+    ("all-to-all bytes per token per step", _count, lambda q: q.all_to_all_bytes_per_token),
+    ("sent by all ranks, per token per step", _count, lambda q: q.bytes_sent_per_token),
+)  # fmt: skip
+
+
+def _comparison(p: Plan) -> list[str]:
+    """The DP-attention plan beside the TP/EP one on the same devices, and the formulas."""
+    tr, n = p.traffic, p.opts.devices
+    title = f"DP attention beside TP/EP on the same {n} devices (tp {n}, ep {n}, dp 1)"
+    plans, head = [p.tp_layout, p], f"{'TP/EP':>16s}{'DP attention':>16s}"
+    if isinstance(p.tp_layout, str):
+        title = f"DP attention on {n} devices (TP/EP there cannot be built: {p.tp_layout})"
+        plans, head = [p], f"{'DP attention':>16s}"
+    lines = [
+        title,
+        f"  {'':38s}{head}",
+        *(f"  {label:38s}" + "".join(f"{fmt(value(q)):>16s}" for q in plans)
+          for label, fmt, value in _ROWS),
+    ]  # fmt: skip
+    el = tr.dtype_bytes
+    return lines + [
+        f"  KV bytes per token per rank: {p.kv_bytes_per_token:,} B x the ranks storing a token "
+        f"(TP: its replica's {n}; DP attention: 1) / {n} devices",
+        f"  all-reduce: 2 a layer (after o_proj, after the MLP or MoE) x {tr.layers} layers x "
+        f"hidden {tr.hidden_size} x {el} B (the payload)",
+        f"  all-to-all: 2 (dispatch, combine) x top_k {tr.top_k} x hidden {tr.hidden_size} x "
+        f"{el} B x ({n} - 1) / {n} leaving the rank x {tr.moe_layers} MoE layers",
+        f"  sent by all ranks: the all-to-all's bytes, or, for a ring all-reduce, {n} ranks x "
+        f"2 ({n} - 1) / {n} x its payload",
+        "  (a token through the target's layers; each MTP draft pass adds one layer's worth)",
     ]
 
 
@@ -421,6 +617,9 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     for f in fields(Options):
+        if f.type == "bool":
+            ap.add_argument(f"--{f.name}", action="store_true", help=f.metadata["help"])
+            continue
         required, typ = f.default is None, {"int": int, "float": float}.get(f.type, str)
         shown = "" if required or not f.default else f" (default {f.default})"
         ap.add_argument(

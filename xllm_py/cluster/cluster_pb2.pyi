@@ -21,14 +21,16 @@ class ModelFingerprint(_message.Message):
     def __init__(self, config_sha256: _Optional[str] = ..., dtype: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("nnodes", "dp_size", "ep_size")
+    __slots__ = ("nnodes", "dp_size", "ep_size", "dp_attention")
     NNODES_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DP_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     nnodes: int
     dp_size: int
     ep_size: int
-    def __init__(self, nnodes: _Optional[int] = ..., dp_size: _Optional[int] = ..., ep_size: _Optional[int] = ...) -> None: ...
+    dp_attention: bool
+    def __init__(self, nnodes: _Optional[int] = ..., dp_size: _Optional[int] = ..., ep_size: _Optional[int] = ..., dp_attention: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("node_rank", "device", "address", "fingerprint", "layout")
@@ -53,7 +55,7 @@ class RegisterReply(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class InitModelRequest(_message.Message):
-    __slots__ = ("rank", "world_size", "dp_size", "tp_size", "ep_size", "replica", "init_method")
+    __slots__ = ("rank", "world_size", "dp_size", "tp_size", "ep_size", "replica", "init_method", "dp_attention")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +63,7 @@ class InitModelRequest(_message.Message):
     EP_SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     INIT_METHOD_FIELD_NUMBER: _ClassVar[int]
+    DP_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     dp_size: int
@@ -68,7 +71,8 @@ class InitModelRequest(_message.Message):
     ep_size: int
     replica: int
     init_method: str
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., ep_size: _Optional[int] = ..., replica: _Optional[int] = ..., init_method: _Optional[str] = ...) -> None: ...
+    dp_attention: bool
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., ep_size: _Optional[int] = ..., replica: _Optional[int] = ..., init_method: _Optional[str] = ..., dp_attention: _Optional[bool] = ...) -> None: ...
 
 class InitModelReply(_message.Message):
     __slots__ = ("backend", "capacity")

@@ -231,8 +231,10 @@ class StepThread:
 
 class MasterReplicaExecutor(Executor):
     """Replica 0 of a tensor-parallel cluster: rank 0 is this process's own worker, ranks
-    1..tp-1 are remote. Every step runs on all of them at once (their collectives meet in
-    the model); the local rank's output is the replica's.
+    1..tp-1 are remote (none with DP attention, where this rank still joins the world
+    group: the MoE layers exchange tokens with the other replicas). Every step runs on
+    all of them at once (their collectives meet in the model); the local rank's output is
+    the replica's.
 
     Start-up: InitModel goes to the remote ranks (each joins the process groups, loads its
     shard and measures the blocks that fit) while this process joins the same groups
@@ -257,7 +259,8 @@ class MasterReplicaExecutor(Executor):
         except BaseException:
             remote._cancel(futures)
             raise
-        self.remote_blocks = min(remote.capacities_of(futures))
+        # none remote with DP attention: replica 0 is this rank alone
+        self.remote_blocks = min(remote.capacities_of(futures), default=self.local_blocks)
 
     def _local(self, fn: Callable, futures: list, what: str):
         """fn() on the step thread, waited for with the remote ranks' `futures` (whose

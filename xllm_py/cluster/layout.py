@@ -6,6 +6,10 @@
         nnodes=4, dp_size=2:   replica 0 = ranks [0, 1]   replica 1 = ranks [2, 3]
 
 Replica 0 always contains node 0 (the master).
+
+DP attention (--enable_dp_attention): dp_size = nnodes replicas of one rank each, which
+share the routed experts (ep_size = nnodes; parallel/context.py): every rank joins one
+world group, over which the MoE layers exchange tokens.
 """
 
 from __future__ import annotations
@@ -23,11 +27,22 @@ class ClusterLayout:
     nnodes: int = 1
     dp_size: int = 1
     ep_size: int = 1
+    dp_attention: bool = False
 
     def __post_init__(self) -> None:
         for name in ("nnodes", "dp_size", "ep_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
+        if self.dp_attention:
+            if self.nnodes < 2 or self.dp_size != self.nnodes or self.ep_size != self.nnodes:
+                raise ValueError(
+                    f"--enable_dp_attention needs --dp_size and --ep_size equal to --nnodes "
+                    f"(>= 2): every rank its own requests, the routed experts spread over all; "
+                    f"got --nnodes={self.nnodes} --dp_size={self.dp_size} "
+                    f"--ep_size={self.ep_size} (tensor parallelism inside a DP rank is not "
+                    "implemented)"
+                )
+            return
         if self.nnodes % self.dp_size:
             raise ValueError(
                 f"--nnodes={self.nnodes} is not divisible by --dp_size={self.dp_size}: every "
@@ -65,7 +80,12 @@ class ClusterLayout:
             )
 
     def to_pb(self) -> pb.Layout:
-        return pb.Layout(nnodes=self.nnodes, dp_size=self.dp_size, ep_size=self.ep_size)
+        return pb.Layout(
+            nnodes=self.nnodes,
+            dp_size=self.dp_size,
+            ep_size=self.ep_size,
+            dp_attention=self.dp_attention,
+        )
 
 
 @dataclass(frozen=True)
@@ -136,7 +156,7 @@ def fingerprint_differences(master: pb.ModelFingerprint, worker: pb.ModelFingerp
 def layout_differences(master: ClusterLayout, worker: pb.Layout) -> list[str]:
     return [
         f"--{name}: master {getattr(master, name)}, worker {getattr(worker, name)}"
-        for name in ("nnodes", "dp_size", "ep_size")
+        for name in ("nnodes", "dp_size", "ep_size", "dp_attention")
         if getattr(master, name) != getattr(worker, name)
     ]
 
@@ -179,6 +199,8 @@ def join_process_groups(
         # bound to its device: NCCL creates its communicator now, not at the first collective
         device_id=None if device == "cpu" else torch.device(device),
     )
+    if layout.dp_attention:
+        return ParallelContext.for_dp_attention()
     groups = [dist.new_group(layout.ranks_of(i)) for i in range(layout.dp_size)]
     return ParallelContext.from_group(groups[layout.replica_of(rank)], layout.ep_size)
 

@@ -70,13 +70,13 @@ class Cluster:
         layout = self.opts.layout
         self.coordinator.wait_all(self.opts.cluster_timeout)
         logger.info("all %d nodes registered; loading %d replicas", layout.nnodes, layout.dp_size)
-        if layout.tp_size == 1:
+        if layout.tp_size == 1 and not layout.dp_attention:
             factories = [lambda: local_executor(self.config)]
         else:  # this process is rank 0 of replica 0 and joins the process groups too
             factories = [self._master_replica_executor]
         factories += [lambda i=i: self._replica_executor(i) for i in range(1, layout.dp_size)]
         self.core = DataParallelEngineCore(
-            self.config, factories, self.monitor.verdict, self._stop_services
+            self.config, factories, self.monitor.verdict, self._stop_services, layout.dp_attention
         )
         return self.core
 
@@ -102,8 +102,9 @@ class Cluster:
             replica=replica,
             # tensor parallel: every rank joins the process groups at the master's rendezvous
             init_method=rendezvous_address(self.opts.master_node_addr)
-            if layout.tp_size > 1
+            if layout.tp_size > 1 or layout.dp_attention
             else "",
+            dp_attention=layout.dp_attention,
         )
         clients = [self.clients[r] for r in layout.ranks_of(replica)[first_rank:]]
         return GrpcExecutor(

@@ -112,7 +112,9 @@ class WorkerService(pb_grpc.WorkerServicer):
 
         parallel = SINGLE
         if request.init_method:  # tensor/expert parallel: meet every rank of the cluster
-            layout = ClusterLayout(request.world_size, request.dp_size, request.ep_size)
+            layout = ClusterLayout(
+                request.world_size, request.dp_size, request.ep_size, request.dp_attention
+            )
             parallel = join_process_groups(
                 layout,
                 request.rank,

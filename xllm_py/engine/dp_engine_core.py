@@ -3,6 +3,10 @@
     add_request --(fewest unfinished requests)--> replica i: EngineCore(i) -> Executor(i)
     step() = every busy replica's EngineCore.step(), run at the same time, outputs merged
 
+With DP attention (`--enable_dp_attention`) the replicas are single ranks that share the
+routed experts: every busy step steps them all, idle ones included, since each MoE layer
+exchanges tokens between all of them (`lockstep`, models/layers/moe.py).
+
 Each replica runs the full model with its own scheduler and block manager (sized by
 that replica's KV capacity), so a request lives on one replica from start to finish
 and its tokens are the ones a single node would produce. Replica 0 is the master's
@@ -41,16 +45,22 @@ class DataParallelEngineCore:
         executors: list[Callable[[], Executor]],
         failure: Callable[[], str | None] = lambda: None,
         on_shutdown: Callable[[], None] = lambda: None,
+        lockstep: bool = False,
     ) -> None:
         """executors: one factory per replica, replica 0 first; replicas load at the same
         time. failure: the health monitor's verdict (None while all workers live).
-        on_shutdown: called first by `shutdown` (the master stops watching its workers)."""
+        on_shutdown: called first by `shutdown` (the master stops watching its workers).
+        lockstep: DP attention, where each replica is one rank of the routed experts'
+        exchange: while any replica has work, every replica steps."""
         self.config = config
+        self.lockstep = lockstep
         self.failure = failure
         self.on_shutdown = on_shutdown
         self._pool = ThreadPoolExecutor(len(executors), thread_name_prefix="xllm-replica")
         built = [self._pool.submit(lambda f=f: EngineCore(config, f())) for f in executors]
         self.replicas: list[EngineCore] = [b.result() for b in built]
+        for r in self.replicas:
+            r.lockstep = lockstep
         self._owner: dict[str, int] = {}  # req_id -> replica
         self.requests = ChainMap(*(r.scheduler.requests for r in self.replicas))
 
@@ -68,11 +78,16 @@ class DataParallelEngineCore:
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> None:
-        """To the replica with the fewest unfinished requests among those that can serve it."""
+        """To the replica with the fewest unfinished requests among those that can serve it;
+        among equals, the one with the most free KV blocks."""
         able = [
             i for i, core in enumerate(self.replicas) if _accepts(core, prompt_token_ids, sampling)
         ]
-        i = min(able or range(len(self.replicas)), key=lambda i: len(self.replicas[i].requests))
+        reps = self.replicas
+        i = min(
+            able or range(len(reps)),
+            key=lambda i: (len(reps[i].requests), -reps[i].blocks.num_free_blocks),
+        )
         self._owner[req_id] = i
         self.replicas[i].add_request(req_id, prompt_token_ids, sampling)
 
@@ -97,7 +112,9 @@ class DataParallelEngineCore:
         if dead is not None:
             raise ReplicaFailedError(dead)
         busy = [r for r in self.replicas if r.has_unfinished()]
-        if len(busy) == 1:
+        if self.lockstep and busy:  # DP attention: every rank joins every step
+            outs = self._lockstep()
+        elif len(busy) == 1:
             outs = busy[0].step()
         else:
             outs = [o for f in [self._pool.submit(r.step) for r in busy] for o in f.result()]
@@ -105,6 +122,16 @@ class DataParallelEngineCore:
             if o.finish_reason is not None:
                 self._owner.pop(o.req_id, None)
         return outs
+
+    def _lockstep(self) -> list[EngineCoreOutput]:
+        """Every replica's step at once. When one fails, the others' exchanges with it fail
+        too: the error names each replica's failure, the cause among them."""
+        steps = [self._pool.submit(r.step) for r in self.replicas]
+        errors = [(i, f.exception()) for i, f in enumerate(steps)]
+        failed = [f"replica {i}: {type(e).__name__}: {str(e)[:300]}" for i, e in errors if e]
+        if failed:
+            raise ReplicaFailedError("; ".join(failed)) from next(e for _, e in errors if e)
+        return [o for f in steps for o in f.result()]
 
     def stats(self) -> SchedulerStats:
         parts = [r.stats() for r in self.replicas]

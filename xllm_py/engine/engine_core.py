@@ -54,6 +54,10 @@ class EngineCore:
             )
         executor.init_cache(num_blocks)
         self._timed: tuple | None = None  # (the last step, when it started)
+        # DP attention: the worker runs every step, with nothing scheduled too, to join the
+        # other ranks' expert exchanges (models/layers/moe.py); whoever steps this core
+        # steps it while any rank has work (engine/dp_engine_core.py)
+        self.lockstep = False
         self.blocks = BlockManager(num_blocks, bs, config.cache.enable_prefix_cache)
         self.scheduler = Scheduler(
             config.scheduler,
@@ -108,6 +112,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.num_scheduled_tokens and not sched.finished_req_ids:
             self._timed = None  # idle: the time until the next step is not a step's
+            if self.lockstep:
+                self.executor.execute(sched)
             return []
         # Adaptive speculation times whole steps, start to next start: the executor's part
         # and what the engine does around it (scheduling, outputs, detokenising, streaming),

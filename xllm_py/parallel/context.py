@@ -16,6 +16,15 @@ A replica of `tp_size` ranks runs one model together (docs/design.md section 2):
                   every rank samples from the same full logits. The MTP draft uses both.
     norms, router, MTP eh_proj: replicated.
 
+DP attention (`--enable_dp_attention`, `ParallelContext.dp_attention`): each of dp_size
+ranks is a whole replica for everything but the routed experts (tp_size 1: attention with
+every head over its own requests and its own latent cache; dense layers, shared experts,
+embedding and lm_head replicated, so nothing outside the MoE needs a collective). The
+routed experts are partitioned over all dp_size ranks (ep_size == dp_size), and each MoE
+layer sends every (token, expert) assignment to the rank owning the expert and the results
+back (`all_to_all`, models/layers/moe.py). Every rank must join every exchange of every
+step, with no tokens if it has no work (models/layers/moe.py, lockstep).
+
 The context is passed explicitly to the model constructors; there is no module-level
 process group. Build it in a worker, after `torch.distributed.init_process_group`, with
 `ParallelContext.from_group(group, ep_size)` (the group of this replica's ranks; the
@@ -42,17 +51,30 @@ class ParallelContext:
     tp_size: int = 1
     ep_size: int = 1
     group: dist.ProcessGroup | None = None
+    # DP attention: this rank among dp_size ranks, and their group (the experts' exchange)
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank={self.tp_rank} is outside [0, tp_size={self.tp_size})")
-        if self.ep_size not in (1, self.tp_size):
+        if self.dp_size > 1:
+            if not 0 <= self.dp_rank < self.dp_size:
+                raise ValueError(f"dp_rank={self.dp_rank} is outside [0, dp_size={self.dp_size})")
+            if self.tp_size != 1 or self.ep_size != self.dp_size:
+                raise ValueError(
+                    f"DP attention over dp_size={self.dp_size} ranks needs tp_size=1 and "
+                    f"ep_size={self.dp_size} (got tp_size={self.tp_size}, ep_size={self.ep_size})"
+                )
+        elif self.ep_size not in (1, self.tp_size):
             raise ValueError(
                 f"ep_size={self.ep_size}: must be 1 or equal to tp_size={self.tp_size} "
                 "(experts are partitioned across the tensor-parallel ranks)"
             )
         # looked up here, once: graph mode's compiled all-reduce reads it while tracing
-        backend = None if self.group is None else dist.get_backend(self.group)
+        group = self.dp_group if self.dp_attention else self.group
+        backend = None if group is None else dist.get_backend(group)
         object.__setattr__(self, "_backend", backend)
 
     @classmethod
@@ -63,9 +85,53 @@ class ParallelContext:
             return cls(ep_size=ep_size)
         return cls(dist.get_rank(group), size, ep_size, group or dist.group.WORLD)
 
+    @classmethod
+    def for_dp_attention(cls, group: dist.ProcessGroup | None = None):
+        """DP attention over `group`'s ranks (default: the world group): attention and
+        every other layer whole on each rank, the routed experts partitioned over all."""
+        size = dist.get_world_size(group)
+        if size == 1:
+            return cls()
+        return cls(ep_size=size, dp_rank=dist.get_rank(group), dp_size=size,
+                   dp_group=group or dist.group.WORLD)  # fmt: skip
+
+    @property
+    def dp_attention(self) -> bool:
+        return self.dp_size > 1
+
     @property
     def ep_rank(self) -> int:
+        if self.dp_attention:
+            return self.dp_rank
         return self.tp_rank if self.ep_size > 1 else 0
+
+    def all_to_all(
+        self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
+        """DP attention: rows of `x` grouped by destination rank (send_counts[r] rows to
+        rank r) in, the rows every rank sent here out (recv_counts[r] from rank r), in rank
+        order. gloo moves bf16/fp16 as float32 (exact either way: nothing is summed)."""
+        low = x.dtype in (torch.bfloat16, torch.float16) and self.backend == "gloo"
+        y = x.float() if low else x
+        out = y.new_empty((sum(recv_counts), *y.shape[1:]))
+        dist.all_to_all_single(out, y.contiguous(), recv_counts, send_counts, group=self.dp_group)
+        return out.to(x.dtype) if low else out
+
+    def counts_to_all(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """DP attention: every rank's int64 count for this rank (send_counts[r] goes to r)."""
+        out = torch.empty_like(send_counts)
+        dist.all_to_all_single(out, send_counts, group=self.dp_group)
+        return out
+
+    def max_over_dp(self, values: list[int], device: torch.device) -> list[int]:
+        """DP attention: the element-wise maximum of `values` over the ranks (lockstep's
+        agreement on the passes of a step; a tensor on `device`, where NCCL wants it);
+        `values` itself on one rank."""
+        if not self.dp_attention:
+            return values
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return t.tolist()
 
     def split(self, total: int, name: str, over: str = "tp_size") -> int:
         """This rank's share of `total` split `over` ("tp_size" or "ep_size") ways; `name` is

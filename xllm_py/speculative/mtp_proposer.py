@@ -48,6 +48,7 @@ import torch
 from xllm_py.models.attention_layout import RequestLayout, build_context
 from xllm_py.models.context import forward_context
 from xllm_py.models.deepseek_mtp import DeepseekV3MTP
+from xllm_py.models.layers.moe import idle_forward
 from xllm_py.speculative.hot_vocab import HotVocabHead
 from xllm_py.structured import Matcher, allocate_bitmask, unpack_bitmask
 
@@ -101,15 +102,29 @@ class MTPProposer:
         return out
 
     def propose(
-        self, items: list[ProposeInput], target_hidden: torch.Tensor, k: int | None = None
+        self, items: list[ProposeInput], target_hidden: torch.Tensor | None, k: int | None = None
     ) -> tuple[list[list[int]], list[list[float]]]:
         """Per item, its drafts (k tokens, or none) and their scores (the probability the
         draft's distribution gave each: speculative/confidence.py calibrates them). `k`
         below the configured number (adaptive speculation) shortens the chain; every layer
-        the configured number uses still fills its cache."""
-        if not items:
-            return [], []
+        the configured number uses still fills its cache. Under DP attention the ranks
+        first agree on the passes, and this rank joins those it has no tokens for
+        (models/layers/moe.py); `items` may then be empty and `target_hidden` None."""
         k = self.k if k is None else min(k, self.k)
+        want = [i for i, it in enumerate(items) if it.wants_drafts]
+        fill, chain = bool(items), k if want else 0  # this rank's passes
+        lockstep = self.draft.parallel.dp_attention
+        if lockstep:
+            fill, chain = self.draft.parallel.max_over_dp([int(fill), chain], self.device)
+        drafts: list[list[int]] = [[] for _ in items]
+        scores: list[list[float]] = [[] for _ in items]
+        if not fill:
+            return drafts, scores
+        fills = range(1, min(self.k, len(self.draft.layers)))  # the later layers' caches
+        if not items:
+            for step in [0, *fills, *range(1, chain)]:
+                self._idle(step)
+            return drafts, scores
         rows = [r for it in items for r in it.rows]
         next_ids = [t for it in items for t in it.next_ids]
         positions = [it.start + j for it in items for j in range(len(it.rows))]
@@ -120,12 +135,11 @@ class MTPProposer:
             start += n
         hidden = target_hidden[torch.tensor(rows, device=self.device)]
         x = self._run(next_ids, positions, hidden, layouts, step=0)
-        for layer in range(1, min(self.k, len(self.draft.layers))):  # fill the later layers' caches
+        for layer in fills:
             self._run(next_ids, positions, hidden, layouts, step=layer)
-        want = [i for i, it in enumerate(items) if it.wants_drafts]
-        drafts: list[list[int]] = [[] for _ in items]
-        scores: list[list[float]] = [[] for _ in items]
         if not want:
+            for step in range(1, chain):
+                self._idle(step)
             return drafts, scores
         last = torch.tensor(
             [layouts[i].start + layouts[i].q_len - 1 for i in want], device=self.device
@@ -136,25 +150,30 @@ class MTPProposer:
         for i, t, c in zip(want, tokens.tolist(), score.tolist()):
             drafts[i].append(t)
             scores[i].append(c)
-        for step in range(1, k):
+        for step in range(1, chain):
             # Chained draft j sits at (last verified position + j); stop at the context end,
             # or where the grammar is done (or refuses the draft).
             keep = [
                 n
                 for n, i in enumerate(want)
-                if self._last(items[i]) + step < self.max_len
+                if step < k
+                and self._last(items[i]) + step < self.max_len
                 and (i not in followed or self._follow(i, items[i], drafts[i][-1], followed))
             ]
             if not keep:
-                break
+                if not lockstep:
+                    break
+                self._idle(step)  # the other ranks' chains go on
+                want = []
+                continue
             if len(keep) < len(want):
                 want, x, tokens = [want[n] for n in keep], x[keep], tokens[keep]
-            chain = [
+            chain_layouts = [
                 RequestLayout(j, 1, self._last(items[i]) + step + 1, items[i].block_ids)
                 for j, i in enumerate(want)
             ]
-            pos = [lay.ctx_len - 1 for lay in chain]
-            x = self._run(tokens.tolist(), pos, x, chain, step)
+            pos = [lay.ctx_len - 1 for lay in chain_layouts]
+            x = self._run(tokens.tolist(), pos, x, chain_layouts, step)
             tokens, score = self._draft_tokens(x, step, [items[i] for i in want], drafts, want)
             for i, t, c in zip(want, tokens.tolist(), score.tolist()):
                 drafts[i].append(t)
@@ -162,6 +181,10 @@ class MTPProposer:
         for i, n in followed.items():
             items[i].matcher.rollback(n)
         return drafts, scores
+
+    def _idle(self, step: int) -> None:
+        """DP attention: join draft pass `step`'s expert exchange with no tokens."""
+        idle_forward(self.draft.layers[step % len(self.draft.layers)], self.dtype, self.device)
 
     @staticmethod
     def _follow(i: int, item: ProposeInput, draft: int, followed: dict[int, int]) -> bool:

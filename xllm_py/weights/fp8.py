@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from xllm_py.weights.int4 import Int4Config
+from xllm_py.weights.int4 import Int4Config, config_groups
 
 logger = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
@@ -93,15 +93,8 @@ class Fp8Config:
         dtype or with its own dynamic per-token quantisation). Static activation scales
         and other weight strategies are refused, naming the field."""
         blocks = set()
-        for name, group in (qc.get("config_groups") or {}).items():
-            w, where = group.get("weights") or {}, f"quantization_config.config_groups.{name}"
-            want = dict(num_bits=8, type="float", symmetric=True, strategy="block")
-            for key, value in want.items():
-                if w.get(key) != value:
-                    raise ValueError(
-                        f"{where}.weights.{key}={w.get(key)!r} is not supported; need {value!r} "
-                        "(FP8_BLOCK)"
-                    )
+        want = dict(num_bits=8, type="float", symmetric=True, strategy="block")
+        for where, group, w in config_groups(qc, want, "FP8_BLOCK"):
             acts = group.get("input_activations")
             if acts and not acts.get("dynamic"):
                 raise ValueError(

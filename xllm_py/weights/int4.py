@@ -60,20 +60,28 @@ class Int4Config:
                 "only 'pack-quantized' INT4 weights (Kimi-K2-Thinking's experts) are"
             )
         sizes = set()
-        for name, group in (qc.get("config_groups") or {}).items():
-            w, where = group.get("weights") or {}, f"quantization_config.config_groups.{name}"
-            want = dict(num_bits=4, type="int", symmetric=True, strategy="group")
-            for key, value in want.items():
-                if w.get(key) != value:
-                    raise ValueError(
-                        f"{where}.weights.{key}={w.get(key)!r} is not supported; need {value!r}"
-                    )
+        want = dict(num_bits=4, type="int", symmetric=True, strategy="group")
+        for where, group, w in config_groups(qc, want, "INT4 weights"):
             if group.get("input_activations"):
                 raise ValueError(f"{where}.input_activations: only weight-only INT4 is supported")
             sizes.add(int(w.get("group_size") or 0))
         if len(sizes) != 1 or min(sizes) <= 0:
             raise ValueError(f"quantization_config: need one positive group_size, got {sizes}")
         return cls(sizes.pop())
+
+
+def config_groups(qc: dict, want: dict, scheme: str):
+    """(where, group, its weights) of each compressed-tensors config group, after checking
+    that each `weights.<key>` is the wanted value (a ValueError naming it and `scheme`)."""
+    for name, group in (qc.get("config_groups") or {}).items():
+        w, where = group.get("weights") or {}, f"quantization_config.config_groups.{name}"
+        for key, value in want.items():
+            if w.get(key) != value:
+                raise ValueError(
+                    f"{where}.weights.{key}={w.get(key)!r} is not supported; need {value!r} "
+                    f"({scheme})"
+                )
+        yield where, group, w
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

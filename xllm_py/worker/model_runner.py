@@ -32,6 +32,7 @@ from xllm_py.executor.messages import (
 )
 from xllm_py.models.attention_layout import RequestLayout, build_context
 from xllm_py.models.context import forward_context
+from xllm_py.models.layers.moe import idle_forward
 from xllm_py.sampling_params import SamplingParams
 from xllm_py.speculative.mtp_proposer import MTPProposer, ProposeInput
 from xllm_py.structured import Matcher, allocate_bitmask, grammars_for
@@ -127,6 +128,10 @@ class ModelRunner:
         self._apply_diffs(sched)
         req_ids = list(sched.num_scheduled_tokens)
         if not req_ids:
+            if self.model.parallel.dp_attention:  # the other ranks' step needs this one
+                idle_forward(self.model, self.dtype, self.device)
+                if self.proposer is not None:
+                    self.proposer.propose([], None, sched.num_draft_tokens)
             return ModelRunnerOutput([], [], [], [])
         input_ids: list[int] = []
         positions: list[int] = []

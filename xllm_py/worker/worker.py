@@ -235,6 +235,11 @@ class Worker:
     def __init__(self, config: EngineConfig, parallel: ParallelContext = SINGLE) -> None:
         """`parallel`: this rank's place in its replica (tensor/expert parallel); the draft
         is sharded the same way on the same rank."""
+        if parallel.dp_attention and config.device.enable_graph:
+            raise ValueError(
+                "DP attention with enable_graph=True is not implemented: the experts' "
+                "all-to-all runs eager (enable_graph=False)"
+            )
         self.config = config
         self.parallel = parallel
         self.device = torch.device(config.device.device)

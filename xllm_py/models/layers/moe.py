@@ -22,6 +22,19 @@ ep_size > 1: this rank holds experts [first_expert, first_expert + E/ep) whole
 ranks' experts are `remote_weight_prefixes`, which the loader skips) and runs
 only the assignments to them. Either way the routed and shared partial sums are
 added and all-reduced once.
+DP attention (parallel.dp_attention): each rank routes its own tokens, sends every
+(token, expert) assignment's activations to the rank holding that expert, runs the
+assignments it receives, and sends the results back, where they are weighted and summed
+(`_exchanged`: counts, activations and expert ids out, results back, four all-to-alls).
+The shared experts are whole on every rank; nothing is all-reduced.
+
+Lockstep: each exchange needs every rank, in the same layer order. So on every rank a step
+is one target forward (a rank with nothing scheduled joins its exchanges with no tokens:
+`idle_forward`, worker/model_runner.py), then the MTP draft passes, whose number the ranks
+agree on first by one small all-reduce (speculative/mtp_proposer.py); a rank with fewer
+passes of its own, or whose chains stopped early (the context end, a grammar), joins the
+rest with no tokens. The engine steps every rank whenever any has work
+(engine/dp_engine_core.py), so a rank with no requests for many steps still runs them.
 
 Held weights (`w13`, `w2`): run-dtype tensors, FP8-resident `Fp8Weight`s
 (weights/fp8.py), or, built inside `int4.int4_resident(group)` (--weight_dtype int4),
@@ -159,32 +172,69 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self._routed(x, weights, ids)
+        if self.parallel.dp_attention:
+            out = self._exchanged(x, weights.to(x.dtype), ids)
+        else:
+            out = self._routed(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.parallel.all_reduce(out)
 
+    def idle(self, dtype: torch.dtype, device: torch.device) -> None:
+        """DP attention, a rank without tokens this pass: join the layer's exchange."""
+        x = torch.empty(0, self.gate.weight.shape[1], dtype=dtype, device=device)
+        top_k = self.gate.top_k
+        ids = torch.empty(0, top_k, dtype=torch.long, device=device)
+        self._exchanged(x, torch.empty(0, top_k, dtype=dtype, device=device), ids)
+
+    def _exchanged(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """The routed experts under DP attention: every assignment runs on its expert's rank."""
+        par, n_local = self.parallel, self.num_local_experts
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        dest = flat // n_local  # the rank holding each assignment's expert
+        order = dest.argsort(stable=True)  # assignments grouped by rank, tokens in order
+        send = torch.bincount(dest, minlength=par.dp_size)
+        recv = par.counts_to_all(send)
+        send_n, recv_n = send.tolist(), recv.tolist()
+        token_of = order // top_k
+        xs = par.all_to_all(x[token_of], send_n, recv_n)
+        experts = par.all_to_all(flat[order] % n_local, send_n, recv_n)  # local ids there
+        ones = torch.ones(len(experts), 1, dtype=x.dtype, device=x.device)
+        ys = self._routed(xs, ones, experts.view(-1, 1), first_expert=0) if len(xs) else xs
+        back = par.all_to_all(ys, recv_n, send_n)  # in the order the assignments left
+        back = back * weights.reshape(-1)[order].unsqueeze(1)
+        return torch.zeros_like(x).index_add_(0, token_of, back)
+
     def use_kernels(self, kernels: Kernels) -> None:
         self.fused_moe = kernels.fused_moe()
 
-    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _routed(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        first_expert: int | None = None,
+    ) -> torch.Tensor:
+        """Ids are global expert ids, or local ones with first_expert=0 (DP attention)."""
         weights = weights.to(x.dtype)
+        first = self.first_expert if first_expert is None else first_expert
         if self.fused_moe is not None:  # every batch size, eager and compiled
-            return self.fused_moe(x, weights, ids, self.w13, self.w2, self.first_expert)
+            return self.fused_moe(x, weights, ids, self.w13, self.w2, first)
         if torch.compiler.is_compiling() and ids.numel() <= GRAPH_GATHER_ASSIGNMENTS:
             return self._routed_gathered(x, weights, ids)  # graph mode, few tokens
         if not torch.compiler.is_compiling() and ids.numel() <= SMALL_BATCH_ASSIGNMENTS:
-            return self._routed_small(x, weights, ids)
+            return self._routed_small(x, weights, ids, first)
         if self.quantized:  # the same loop as the op, over FP8 or INT4 stacks (eager only)
-            return grouped_experts(x, weights, ids, self.w13, self.w2, self.first_expert)
-        return routed_grouped(x, weights, ids, self.w13, self.w2, self.first_expert)
+            return grouped_experts(x, weights, ids, self.w13, self.w2, first)
+        return routed_grouped(x, weights, ids, self.w13, self.w2, first)
 
     def _routed_small(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int
     ) -> torch.Tensor:
         """Few tokens (decode at small batch): one expert call per (token, expert) pair
         costs fewer ops than sorting and scattering."""
-        rows, first, n_local = [], self.first_expert, self.num_local_experts
+        rows, n_local = [], self.num_local_experts
         for t, experts in enumerate(ids.tolist()):
             xt, out = x[t : t + 1], None
             for j, e in enumerate(experts):
@@ -257,3 +307,11 @@ def grouped_experts(x, weights, ids, w13: Weight, w2: Weight, first_expert: int)
 @routed_grouped.register_fake
 def _(x, weights, ids, w13, w2, first_expert):
     return torch.empty_like(x)
+
+
+def idle_forward(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """DP attention: join every expert exchange of a forward of `module` (its MoE layers in
+    registration order, which is the order a forward runs them) with no tokens."""
+    for moe in module.modules():
+        if isinstance(moe, MoE):
+            moe.idle(dtype, device)
