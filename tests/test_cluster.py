@@ -172,9 +172,6 @@ def test_cli_refuses_bad_cluster_flags():
     assert "num_attention_heads=4" in err("--nnodes=3", "--master_node_addr=127.0.0.1:1")
     dpa = ("--nnodes=2", "--master_node_addr=127.0.0.1:1", "--enable_dp_attention")
     assert "--enable_dp_attention needs --dp_size and --ep_size equal to --nnodes" in err(*dpa)
-    assert "--enable_dp_attention with --enable_graph=true is not implemented" in err(
-        *dpa, "--dp_size=2", "--ep_size=2", "--enable_graph=true"
-    )
 
 
 # ---- real processes -----------------------------------------------------------------------------

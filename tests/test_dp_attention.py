@@ -14,7 +14,8 @@ joins every exchange with no tokens. Against one process on the bundled model, g
 - near the context end (vLLM's DP + EP + MTP hang's shape): with a 96-token context and
   k = 2, one rank's requests all reach it (their draft chains stop short of it) while the
   other ranks' requests go on decoding.
-Sampled decoding under DP attention is in tests/test_spec_sampling_distribution.py.
+Graph mode on 2 ranks (slow: `make test-slow`) gives one eager process's tokens. Sampled
+decoding under DP attention is in tests/test_spec_sampling_distribution.py.
 """
 
 from __future__ import annotations
@@ -139,10 +140,32 @@ def test_dp_attention_ranks_generate_like_one_process(prompts, single, world, tm
     assert ends and all(len(prompts[i]) + len(t) == CONTEXT_END for i, (t, _) in ends.items())
 
 
-def test_graph_mode_with_dp_attention_is_refused():
-    from xllm_py.entrypoints.llm import engine_config
-    from xllm_py.worker.worker import Worker
+def _rank_graphs(prompts, parallel: ParallelContext) -> dict:
+    use_parallel_workers(parallel)
+    llm = LLM(**ENGINE, **ROOMY, max_model_len=1024, num_speculative_tokens=1,
+              enable_graph=True, graph_batch_sizes=[4])  # fmt: skip
+    mine = range(8) if parallel.dp_rank == 0 else []
+    done, _ = generate(llm, {i: prompts[i] for i in mine}, greedy(16), parallel)
+    runner = llm.engine.core.executor.worker.runner
+    return done, dict(runner.graphs.steps)
 
-    config = engine_config(enable_graph=True, dtype="float32")
-    with pytest.raises(ValueError, match="DP attention with enable_graph=True is not implemented"):
-        Worker(config, ParallelContext(ep_size=2, dp_size=2))
+
+# Slow (compiling on both ranks): `make test-slow`.
+@pytest.mark.slow
+def test_dp_attention_in_graph_mode_generates_like_one_eager_process(prompts, tmp_path):
+    """Graph mode on 2 DP-attention ranks, MTP k = 1, buckets of 4: the exchange is one op
+    in the graphs, so a rank decoding in a graph meets one that is idle (rank 1 has no
+    requests) or eager; the tokens and logprobs of one eager process."""
+    want = generate(
+        LLM(**ENGINE, **ROOMY, max_model_len=1024, num_speculative_tokens=1),
+        dict(enumerate(prompts[:8])),
+        greedy(16),
+    )
+    ranks = run_ranks(
+        2, functools.partial(_rank_graphs, prompts), tmp_path, world=2, dp_attention=True
+    )
+    (done, steps), (idle, _) = ranks
+    assert not idle and sum(steps.values()) > 0, steps  # rank 0 decoded in its graphs
+    for i, (tokens, logprobs) in want.items():
+        assert done[i][0] == tokens, f"prompt {i}"
+        assert_same_logprobs(done[i][1], logprobs, f"prompt {i}")

@@ -29,6 +29,9 @@ BUCKET = 4
 # many full-length requests, 128 blocks (by default it would zero room for 256).
 OPTIONS = dict(dtype="float32", block_size=16, max_model_len=512, max_seqs_per_batch=BUCKET)
 K = 2  # draft tokens of the MTP engine
+# Continuations of the graph-mode sampling test, against plain's 2,000 (suite time: each
+# wave of 4 is a few steps; the chi-square test takes unequal arms)
+GRAPH_SAMPLES = 1000
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +119,7 @@ def test_graph_mode_with_mtp_gives_eager_tokens_and_logprobs(prompts, eager, mtp
 
 
 def test_graph_mode_speculative_sampling_keeps_the_distribution(mtp_graphs):
-    """Verification and drafting in graphs, the drafts sampled from q: SAMPLES
+    """Verification and drafting in graphs, the drafts sampled from q: GRAPH_SAMPLES
     continuations at temperature 1.2 with min-p 0.05 against plain eager decoding's
     (test_spec_sampling_distribution.py's prompt, plain arm and chi-square test). Requests
     come in waves of 4, the bucket (a step that admits a request mixes its prefill with the
@@ -129,12 +132,12 @@ def test_graph_mode_speculative_sampling_keeps_the_distribution(mtp_graphs):
     plain = dist.sample(ids, setting, 0, seed=1)[0]  # the plain arm of that file's tests
     m0, key = llm.get_metrics(), (BUCKET, 1 + K)
     target, mtp = runner.graphs.steps.get(key, 0), runner.proposer.graphs[0].steps.get(key, 0)
-    spec = dist.draw(llm, ids, setting, wave=BUCKET)
+    spec = dist.draw(llm, ids, setting, wave=BUCKET, samples=GRAPH_SAMPLES)
     m = llm.get_metrics()
     assert 0 < m.accepted_tokens - m0.accepted_tokens < m.draft_tokens - m0.draft_tokens
     # verification and drafting ran in graphs in most waves (the last steps of a wave,
     # where drafts are cut short by max_tokens, are not uniform and run eager)
-    waves = dist.SAMPLES // BUCKET
+    waves = GRAPH_SAMPLES // BUCKET
     assert runner.graphs.steps.get(key, 0) - target > waves / 2
     assert runner.proposer.graphs[0].steps.get(key, 0) - mtp > waves / 2
     dist.assert_same_distribution(plain, spec, f"graph mode, k=2 vs plain, {setting}")

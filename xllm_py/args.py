@@ -397,11 +397,6 @@ class EngineArgs:
             raise ValueError(
                 f"--nnodes={self.nnodes}: --master_node_addr=host:port of node 0 is required"
             )
-        if self.enable_dp_attention and self.enable_graph:
-            raise ValueError(
-                "--enable_dp_attention with --enable_graph=true is not implemented: the "
-                "experts' all-to-all runs eager (--enable_graph=false)"
-            )
         if self.is_cluster:
             from xllm_py.cluster.security import check_flags
 

@@ -279,9 +279,10 @@ class MasterReplicaExecutor(Executor):
         futures = self.remote.send_allocate(num_blocks)
         self._local(lambda: self.worker.init_cache(num_blocks, self.seed), futures, "AllocateCache")
         self.remote._wait_all(futures, "AllocateCache")
-        if self.worker.graph_mode:
+        if self.worker.graph_mode and not self.worker.parallel.dp_attention:
             # An empty step, during which every rank compiles its graphs (Worker.execute):
-            # their dummy steps all-reduce, so the ranks must do it together.
+            # their dummy steps all-reduce, so the ranks must do it together. (Under DP
+            # attention every rank compiled in init_cache, all at once.)
             futures = self.remote.send_step(SchedulerOutput(), timeout=INIT_TIMEOUT_S)
             self._local(lambda: self.worker.execute(SchedulerOutput()), futures, "warm-up")
             self.remote._wait_all(futures, "graph compilation")

@@ -235,11 +235,6 @@ class Worker:
     def __init__(self, config: EngineConfig, parallel: ParallelContext = SINGLE) -> None:
         """`parallel`: this rank's place in its replica (tensor/expert parallel); the draft
         is sharded the same way on the same rank."""
-        if parallel.dp_attention and config.device.enable_graph:
-            raise ValueError(
-                "DP attention with enable_graph=True is not implemented: the experts' "
-                "all-to-all runs eager (enable_graph=False)"
-            )
         self.config = config
         self.parallel = parallel
         self.device = torch.device(config.device.device)
@@ -403,7 +398,12 @@ class Worker:
                         extras=((self.config.model.hidden_size,),),
                         name=f"MTP layer {layer}",
                     )
-        if self.graph_mode and self.parallel.tp_size == 1:
+        if self.graph_mode and self.parallel.dp_attention:
+            # every rank compiles now, all at once (each dummy step's MoE layers exchange
+            # with the other ranks, which are in their start-up too); never in the
+            # background, whose exchanges would interleave with the steps'
+            self.warm_up_graphs()
+        elif self.graph_mode and self.parallel.tp_size == 1:
             if self.config.device.graph_warm_up == "background":
                 self._compiler = threading.Thread(
                     target=self.warm_up_graphs, name="xllm-graph-compile", daemon=True

@@ -44,6 +44,8 @@ stay in the run dtype as Kimi-K2-Thinking stores them.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,6 +66,12 @@ SMALL_BATCH_ASSIGNMENTS = 8
 # In graph mode, up to this many assignments gather the chosen experts' weights; more run
 # the grouped form as one opaque op (see _routed_gathered, routed_grouped).
 GRAPH_GATHER_ASSIGNMENTS = 16
+
+
+# DP attention: the MoE layers whose exchange `moe_exchange` runs, by key (graph mode's
+# graphs hold the exchange as one op, which reaches its layer here)
+_EXCHANGES: weakref.WeakValueDictionary[int, MoE] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
 
 
 class Router(nn.Module):
@@ -156,6 +164,9 @@ class MoE(nn.Module):
         # The fused routed-expert kernel when --moe_backend chose one (ops/backends.py),
         # else None: the torch forms below.
         self.fused_moe = None
+        if parallel.dp_attention:
+            self.exchange_key = next(_KEYS)
+            _EXCHANGES[self.exchange_key] = self
 
     def process_weights_after_loading(self) -> None:
         # Runs before the model visits children: the per-expert modules are gone by then.
@@ -173,7 +184,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if self.parallel.dp_attention:
-            out = self._exchanged(x, weights.to(x.dtype), ids)
+            out = moe_exchange(x, weights.to(x.dtype), ids, self.exchange_key)
         else:
             out = self._routed(x, weights, ids)
         if self.shared_experts is not None:
@@ -261,6 +272,22 @@ class MoE(nn.Module):
         act = F.silu(gate) * up * torch.where(owned, weights, 0).view(-1, 1)
         y = torch.bmm(w2, act.unsqueeze(-1)).view(T, top_k, -1)
         return y.sum(dim=1)
+
+
+@torch.library.custom_op("xllm::moe_exchange", mutates_args=())
+def moe_exchange(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, key: int
+) -> torch.Tensor:
+    """DP attention: MoE layer `key`'s routed experts over its exchange (`MoE._exchanged`).
+    An operator the compiler does not look into: its counts are read on the host and its
+    all-to-alls have data-dependent sizes, so in graph mode it runs as eager code does,
+    and ranks whose batches fall in different buckets still meet in it."""
+    return _EXCHANGES[key]._exchanged(x, weights, ids)
+
+
+@moe_exchange.register_fake
+def _(x, weights, ids, key):
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("xllm::routed_grouped", mutates_args=())
