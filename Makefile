@@ -27,7 +27,8 @@ $(STAMP): pyproject.toml
 # Two pytest-xdist workers, a test file each at a time (module-scoped servers are started
 # once); PYTEST_WORKERS=0 runs the suite in this process, one test after another.
 PYTEST_WORKERS ?= 2
-# The tests marked `slow` (graph exactness at scale and 2-rank TP in graph mode, about 35 minutes)
+# The tests marked `slow` (graph exactness at scale, 2-rank TP and DP attention in graph mode,
+# about 35 minutes)
 # are left out: `make test-slow`.
 # Triton kernels run in Triton's interpreter here (on CPU tensors; a GPU's too, if any).
 test: setup

@@ -133,20 +133,25 @@ def test_two_ranks_generate_like_one_process(jobs, single, ep_size, tmp_path):
             assert torch.equal(a, b)
 
 
+# Every step drafts (the confidence policy, timed, would switch drafting off where it does
+# not pay, and the verification graphs would not run)
+NO_POLICY = dict(speculative_confidence="off")
+
+
 def _generate_in_graph_mode(path, parallel: ParallelContext):
-    return generate(path, 1, parallel, enable_graph=True, graph_batch_sizes=[4])
+    return generate(path, 1, parallel, enable_graph=True, graph_batch_sizes=[4], **NO_POLICY)
 
 
 # Slow (about 2.5 minutes of compiling on 2 cores): `make test-slow`. `make test` keeps graph
 # mode on a tensor-parallel replica through tests/test_cluster.py's two-node graph test.
 @pytest.mark.slow
-def test_two_ranks_in_graph_mode_generate_like_one_eager_process(jobs, single, mtp_ckpt, tmp_path):
+def test_two_ranks_in_graph_mode_generate_like_one_eager_process(mtp_ckpt, tmp_path):
     """Graph mode (worker/graph_runner.py) on both ranks, all-reduces inside the graphs
     (the vocab-parallel embedding's among them; the logits gather runs outside): the
     tokens, logprobs, hidden states and logits of one eager process, MTP k = 1. (Expert
     parallel in graph mode: tests/test_cluster.py's two-node graph test.)"""
     ranks = run_ranks(1, functools.partial(_generate_in_graph_mode, mtp_ckpt), tmp_path)
-    outs, seen = single[jobs.index((mtp_ckpt, 1))]
+    outs, seen = generate(mtp_ckpt, 1, **NO_POLICY)
     for r, (r_outs, r_seen) in enumerate(ranks):
         graph_steps = r_seen.pop()
         # decode steps (all 4 requests with a draft, or one request left) ran in the graphs
