@@ -452,19 +452,20 @@ def test_idle_node_killed_the_other_exits_nonzero(victim):
         assert noticed - killed <= HEARTBEAT_TIMEOUT_S + DETECTION_MARGIN_S
 
 
-def test_rank_that_stops_participating_fails_the_cluster_within_the_heartbeat_timeout():
-    """Tensor parallel: the master's own rank waits in an all-reduce for the worker. The
-    worker is frozen (SIGSTOP) mid-stream, so that collective never completes; with a
-    --process_group_timeout of 300 s, every client still gets its error within
-    --heartbeat_timeout (+ margin): the master gives up on the hung step and aborts its
-    process groups, and exits 1."""
+@pytest.mark.parametrize("layout", ["tp", "dpa"])
+def test_rank_that_stops_participating_fails_the_cluster_within_the_heartbeat_timeout(layout):
+    """Tensor parallel: the master's own rank waits in an all-reduce for the worker (DP
+    attention: in an expert exchange). The worker is frozen (SIGSTOP) mid-stream, so that
+    collective never completes; with a --process_group_timeout of 300 s, every client
+    still gets its error within --heartbeat_timeout (+ margin): the master gives up on the
+    hung step and aborts its process groups, and exits 1."""
     flags = (
         "--dtype=float32",
         CACHE,
         f"--heartbeat_timeout={HEARTBEAT_TIMEOUT_S:g}",
         "--process_group_timeout=300",
     )
-    with Cluster(*flags, layout=LAYOUTS["tp"]) as c:
+    with Cluster(*flags, layout=LAYOUTS[layout]) as c:
         c.wait_healthy()
         started = concurrent.futures.Future()
         with concurrent.futures.ThreadPoolExecutor(4) as pool:

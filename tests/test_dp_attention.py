@@ -14,8 +14,10 @@ joins every exchange with no tokens. Against one process on the bundled model, g
 - near the context end (vLLM's DP + EP + MTP hang's shape): with a 96-token context and
   k = 2, one rank's requests all reach it (their draft chains stop short of it) while the
   other ranks' requests go on decoding.
-Graph mode on 2 ranks (slow: `make test-slow`) gives one eager process's tokens. Sampled
-decoding under DP attention is in tests/test_spec_sampling_distribution.py.
+Each rank also checks the exchange's transport (uneven all-to-all of bf16 rows, bit for
+bit) and the lockstep's max all-reduce. Graph mode on 2 ranks (slow: `make test-slow`)
+gives one eager process's tokens. Sampled decoding under DP attention is in
+tests/test_spec_sampling_distribution.py.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from tests.ranks import lockstep_generate, run_ranks, use_parallel_workers
 from tests.test_bundled_model import held_out_user_turns
@@ -97,6 +100,14 @@ JOBS = [
 
 def _rank_jobs(prompts, parallel: ParallelContext) -> dict:
     use_parallel_workers(parallel)
+    # the exchange's transport: rank r sends r + 1 rows to each rank, in bf16 (which gloo
+    # moves as float32), and gets them back in rank order, bit for bit
+    n, r = parallel.dp_size, parallel.dp_rank
+    rows = torch.arange(n * (r + 1), dtype=torch.bfloat16).view(-1, 1) + 10 * r  # exact
+    got = parallel.all_to_all(rows, [r + 1] * n, list(range(1, n + 1)))
+    want = torch.cat([torch.arange(r * (s + 1), (r + 1) * (s + 1)) + 10 * s for s in range(n)])
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(-1).float(), want.float())
+    assert parallel.max_over_dp([r, -r], torch.device("cpu")) == [n - 1, 0]
     out = {}
     for name, k, how, cache, max_len, max_tokens in JOBS:
         llm = LLM(**ENGINE, **cache, max_model_len=max_len, num_speculative_tokens=k)
