@@ -100,8 +100,8 @@ JOBS = [
 
 def _rank_jobs(prompts, parallel: ParallelContext) -> dict:
     use_parallel_workers(parallel)
-    # the exchange's transport: rank r sends r + 1 rows to each rank, in bf16 (which gloo
-    # moves as float32), and gets them back in rank order, bit for bit
+    # the exchange's transport: rank r sends r + 1 rows to each rank, in bf16, and gets
+    # them back in rank order, bit for bit
     n, r = parallel.dp_size, parallel.dp_rank
     rows = torch.arange(n * (r + 1), dtype=torch.bfloat16).view(-1, 1) + 10 * r  # exact
     got = parallel.all_to_all(rows, [r + 1] * n, list(range(1, n + 1)))

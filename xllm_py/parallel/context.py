@@ -110,12 +110,10 @@ class ParallelContext:
     ) -> torch.Tensor:
         """DP attention: rows of `x` grouped by destination rank (send_counts[r] rows to
         rank r) in, the rows every rank sent here out (recv_counts[r] from rank r), in rank
-        order. gloo moves bf16/fp16 as float32 (exact either way: nothing is summed)."""
-        low = x.dtype in (torch.bfloat16, torch.float16) and self.backend == "gloo"
-        y = x.float() if low else x
-        out = y.new_empty((sum(recv_counts), *y.shape[1:]))
-        dist.all_to_all_single(out, y.contiguous(), recv_counts, send_counts, group=self.dp_group)
-        return out.to(x.dtype) if low else out
+        order. Exact in any dtype: rows are copied, never summed (gloo moves bf16 as it is)."""
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=self.dp_group)
+        return out
 
     def counts_to_all(self, send_counts: torch.Tensor) -> torch.Tensor:
         """DP attention: every rank's int64 count for this rank (send_counts[r] goes to r)."""
