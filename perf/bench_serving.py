@@ -125,6 +125,9 @@ class SpecCounters:
     num_draft_tokens: float
     num_accepted_tokens: float
     accepted_per_pos: dict[int, float]
+    # ours only (--speculative_confidence): drafts left unverified, steps run without drafting
+    cut_draft_tokens: float = 0.0
+    undrafted_steps: float = 0.0
 
 
 def parse_spec_counters(text: str) -> SpecCounters | None:
@@ -141,7 +144,9 @@ def parse_spec_counters(text: str) -> SpecCounters | None:
                 totals[name.removeprefix(prefix)] += value
         if "num_drafts_total" in totals:
             return SpecCounters(totals["num_drafts_total"], totals["num_draft_tokens_total"],
-                                totals["num_accepted_tokens_total"], dict(per_pos))  # fmt: skip
+                                totals["num_accepted_tokens_total"], dict(per_pos),
+                                totals["num_cut_draft_tokens_total"],
+                                totals["num_undrafted_steps_total"])  # fmt: skip
     return None
 
 
@@ -165,6 +170,8 @@ def spec_decode_stats(before: SpecCounters | None, after: SpecCounters | None) -
         "spec_decode_num_drafts": int(drafts), "spec_decode_draft_tokens": int(draft_tokens),
         "spec_decode_accepted_tokens": int(accepted),
         "spec_decode_per_position_acceptance_rates": [g / drafts for g in grown] if drafts else [],
+        "spec_decode_cut_draft_tokens": int(after.cut_draft_tokens - before.cut_draft_tokens),
+        "spec_decode_undrafted_steps": int(after.undrafted_steps - before.undrafted_steps),
     }  # fmt: skip
 
 

@@ -9,6 +9,7 @@ test_spec_sharegpt.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.test_spec_decode import GREEDY, baseline, ckpt, generate, prompts  # noqa: F401
 from xllm_py import LLM
@@ -201,19 +202,74 @@ def test_auto_threshold_follows_the_cost_of_a_row():
         calibrated(policy, {0.95: 0.9, 0.55: 0.5, 0.15: 0.1})
         for step in range(64):  # decode steps of 8 requests, 8..32 rows
             rows = 8 + step % 25
-            policy.observe_step(8, rows, fixed + row_cost * rows)
+            policy.observe_step(8, rows, fixed + row_cost * rows, rows, True, True)
         return policy
 
     runs = [[0.95, 0.95, 0.95], [0.55, 0.95, 0.95], [0.15, 0.95, 0.95]]
     # rows nearly free (a memory-bound step): every run goes deep, even unsure ones
     cheap = fed(0.00001)
-    assert cheap.plan(runs) == [3, 3, 3] and cheap.drafting(8)
+    assert cheap.plan(runs) == [3, 3, 3]
     # a row costs about what a step costs per request: only the sure drafts pay
     dear = fed(0.004)
     take = dear.plan(runs)
     assert take[0] >= 1 and take[2] == 0 and take[0] >= take[1] >= take[2]
-    # rows are all that costs: not even a sure draft pays, so the step drafts nothing
-    assert not fed(0.05, fixed=0.0).drafting(8)
+
+
+# ---- the draft gate of "auto" (speculative/gate.py) -------------------------------------------
+
+
+def gated(policy: ConfidencePolicy, batches, step_cost, yield_on: float, steps: int):
+    """Drive an "auto" policy like the engine does: ask whether the step drafts, then report
+    it (steady when the step before drafted alike) with the tokens it was expected to emit,
+    `yield_on` per request when it verified drafts, 1 otherwise; its cost step_cost(batch,
+    drafting)."""
+    chosen, before = [], None
+    for step in range(steps):
+        b = batches(step)
+        drafting = policy.drafting(b)
+        tokens = b * yield_on if drafting and before else b  # before: drafts to verify
+        policy.observe_step(b, b, step_cost(b, drafting), tokens, drafting, before == drafting)
+        chosen.append(drafting)
+        before = drafting
+    return chosen
+
+
+def test_auto_measures_plain_steps_and_turns_drafting_off_where_it_does_not_pay():
+    """The MTP passes cost a fixed share of every step; at batch 1 the drafts pay (1.6
+    tokens for 1.3 steps' time), at batch 16 the verification rows make a step twice as
+    dear and drafting must stop (apart from its short re-measurements)."""
+    policy = ConfidencePolicy(1, threshold="auto")
+
+    def cost(b, drafting):
+        return 0.010 + 0.001 * b + (0.003 + 0.0008 * b if drafting else 0.0)
+
+    first = gated(policy, lambda s: 1, cost, 1.6, 10)
+    assert False in first  # a plain step is measured, not assumed
+    at1 = gated(policy, lambda s: 1, cost, 1.6, 1000)
+    at16 = gated(policy, lambda s: 16, cost, 1.6, 1000)
+    assert sum(at1) / len(at1) > 0.9
+    assert sum(at16) / len(at16) < 0.1
+    assert policy.gate.steps[False] > 0 and policy.gate.steps[True] > 0
+    # the batch-1 decision holds after the batch-16 steps: buckets are measured apart
+    assert sum(gated(policy, lambda s: 1, cost, 1.6, 300)) > 0.9 * 300
+
+
+def test_auto_turns_drafting_back_on_when_it_starts_to_pay():
+    policy = ConfidencePolicy(2, threshold="auto")
+
+    def cost(b, drafting):
+        return 0.010 + (0.006 if drafting else 0.0)
+
+    bad = gated(policy, lambda s: 4, cost, 1.2, 600)  # 1.2 tokens for 1.6 steps' time
+    assert sum(bad[-300:]) < 0.1 * 300
+    good = gated(policy, lambda s: 4, cost, 2.2, 600)  # 2.2 for 1.6: drafting pays now
+    assert sum(good[-300:]) > 0.9 * 300
+
+
+def test_a_fixed_threshold_always_drafts():
+    policy = ConfidencePolicy(2, threshold=0.5)
+    costly = gated(policy, lambda s: 8, lambda b, d: 0.1 if d else 0.01, 1.0, 50)
+    assert all(costly) and policy.gate is None
 
 
 def test_confidence_scheduling_is_lossless_and_cuts_drafts(ckpt, prompts, baseline):  # noqa: F811
@@ -224,3 +280,44 @@ def test_confidence_scheduling_is_lossless_and_cuts_drafts(ckpt, prompts, baseli
     every, off = generate(ckpt, prompts, num_speculative_tokens=3, speculative_confidence="off")
     assert every == baseline
     assert 0 < llm.get_metrics().draft_tokens < off.get_metrics().draft_tokens / 2
+
+
+def test_the_plan_does_not_depend_on_the_tokens_drawn():
+    """Property: for the same draft distributions, whichever tokens the draft sampler draws,
+    every draft gets the same score and the policy the same plan. (A score taken from the
+    drawn token's own probability biases the output: speculative/confidence.py.)"""
+    from xllm_py.worker.model_runner import RunnerRequest
+
+    llm = LLM(dtype="float32", num_speculative_tokens=2, max_cache_size=1 << 20)
+    runner = llm.engine.core.executor.worker.runner
+    vocab = runner.vocab_size
+    settings = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=12, top_p=0.9),
+        SamplingParams(temperature=1.2, min_p=0.05),
+        SamplingParams(temperature=0.8, presence_penalty=0.8, repetition_penalty=1.3),
+        SamplingParams(temperature=0.9, seed=7),  # coupled drafts
+        SamplingParams(temperature=0.0),  # greedy
+    ]
+    policy = ConfidencePolicy(2, threshold=0.5)
+    calibrated(policy, {(b + 0.5) / 10: b / 10 for b in range(10)})
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        logits = torch.randn(len(settings), vocab, generator=gen) * (1 + trial % 4)
+        context = {
+            f"r{i}": (RunnerRequest([1, 2, 3, 4 + i], 3, p, [], 3), [5 + i])
+            for i, p in enumerate(settings)
+        }
+        ids = list(context)
+        drawn, scored = [], []
+        for draw in range(4):
+            runner.sampler.generator.manual_seed(1000 * trial + draw)
+            runner.draft_sampler.begin(context)
+            tokens, scores = runner.draft_sampler.choose(logits.clone(), ids, 1, [[9]] * len(ids))
+            drawn.append(tokens.tolist())
+            scored.append(scores.tolist())
+        assert all(s == scored[0] for s in scored)
+        plans = [policy.plan([[0.9, s] for s in scores]) for scores in scored]
+        assert all(p == plans[0] for p in plans)
+        if trial == 0:  # unseeded sampled rows really drew different tokens
+            assert len({tuple(t[:4]) for t in drawn}) > 1

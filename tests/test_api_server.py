@@ -189,6 +189,8 @@ def test_prometheus_metrics_after_traffic(mtp_server):
         "xllm:spec_decode_num_draft_tokens_total",
         "xllm:spec_decode_num_accepted_tokens_total",
         "xllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "xllm:spec_decode_num_cut_draft_tokens_total",
+        "xllm:spec_decode_num_undrafted_steps_total",
         "xllm:spec_decode_adaptive_k",
         "xllm:spec_decode_adaptive_steps_total",
         "xllm:spec_decode_request_acceptance_rate_bucket",

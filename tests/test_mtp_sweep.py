@@ -70,7 +70,10 @@ def test_sweep_through_a_launcher(tmp_path):
             "--input-len", "16",
             "--output-len", "4",
             "--port", str(port),
-            "--launch", f"{env} {master} EXTRA_ARGS=--dtype=float32 bash scripts/launch_cluster.sh",
+            # every step drafts: the acceptance length below needs drafts verified, which
+            # --speculative_confidence=auto need not do on a loaded machine
+            "--launch", f"{env} {master} 'EXTRA_ARGS=--dtype=float32 --speculative_confidence=off'"
+                        " bash scripts/launch_cluster.sh",
             "--launch-stop", f"env LOG_DIR={log_dir} bash scripts/launch_cluster.sh stop",
             "--result-dir", str(tmp_path / "out"),
         ]

@@ -167,11 +167,14 @@ class EngineArgs:
         "always draft greedily; outputs are exact either way",
         choices=["sampled", "greedy"])  # fmt: skip
     speculative_confidence: str = option("auto", "speculative", "confidence-scheduled draft "
-        "length, per request and step: a request stops drafting once the draft's estimated "
-        "chance that its whole run so far is accepted (q of each draft, calibrated by the "
-        "measured acceptance per position) falls below this threshold; 'auto' picks the "
-        "threshold per step from load and the measured step costs, 'off' drafts "
-        "--num_speculative_tokens every step, a number in (0, 1) fixes the threshold",
+        "length, per request and step: a request stops verifying its drafts once the "
+        "estimated chance that its whole run so far is accepted (the top probability of each "
+        "draft's distribution, calibrated by the measured acceptance per position; never the "
+        "drawn token's own, which would bias sampled output) falls below this threshold; "
+        "'auto' picks the threshold per step from load and the measured step costs, and "
+        "skips drafting altogether at batch sizes where steps measure faster without it; "
+        "'off' drafts --num_speculative_tokens every step; a number in (0, 1) fixes the "
+        "threshold",
         check=lambda v: None if _confidence(v) is not None or v == "off" else
         "expected 'auto', 'off' or a number in (0, 1)")  # fmt: skip
     report_speculative_usage: bool = option(True, "speculative", "add usage.speculative "

@@ -172,6 +172,8 @@ def _merge_spec(parts: list[SpecDecodeStats]) -> SpecDecodeStats:
         out.steps_by_k = _add(out.steps_by_k, p.steps_by_k)
         out.acceptance_buckets = _add(out.acceptance_buckets, p.acceptance_buckets)
         out.acceptance_sum += p.acceptance_sum
+        out.cut_draft_tokens += p.cut_draft_tokens
+        out.undrafted_steps += p.undrafted_steps
     return out
 
 

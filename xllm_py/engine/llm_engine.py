@@ -90,7 +90,7 @@ class LLMEngine:
         spec = st.spec
         logger.info(
             "running %d, waiting %d, KV cache %.0f%%, preemptions %d; drafts %d, acceptance "
-            "rate %.2f, mean acceptance length %.2f",
+            "rate %.2f, mean acceptance length %.2f; drafts cut %d, steps without drafting %d",
             st.num_running,
             st.num_waiting,
             100 * st.kv_cache_usage,
@@ -98,6 +98,8 @@ class LLMEngine:
             spec.drafts,
             spec.acceptance_rate,
             spec.mean_acceptance_length,
+            spec.cut_draft_tokens,
+            spec.undrafted_steps,
         )
 
     def abort_request(self, req_id: str) -> None:

@@ -41,7 +41,7 @@ class Request:
         self.num_tokens_sent = 0  # tokens the worker already holds
         self.num_blocks_sent = 0  # block ids the worker already holds
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step
-        self.spec_scores: list[float] = []  # the draft's probability of each (confidence)
+        self.spec_scores: list[float] = []  # top probability of each draft's distribution
         # drafts verified for this request so far, and how many of them the target accepted
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

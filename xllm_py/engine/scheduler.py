@@ -84,6 +84,9 @@ class Scheduler:
         self._forget: set[str] = set()  # ids the worker must drop at the next step
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
+        # a step, and the tokens it was expected to emit (the confidence policy's chances)
+        self._expected: tuple[SchedulerOutput, float] | None = None
+        self._drafted_before: bool | None = None  # whether the last timed step drafted
 
     # ---- request lifecycle --------------------------------------------------------------------
 
@@ -136,7 +139,9 @@ class Scheduler:
             # Drafts past the request's last possible token (max_tokens, context) are waste.
             room = max(req.max_output - len(req.output_token_ids) - 1, 0)
             drafts = req.spec_token_ids[: room if max_drafts is None else min(room, max_drafts)]
-            drafts = drafts[: plan.get(req.req_id, len(drafts))]
+            kept = plan.get(req.req_id, len(drafts))
+            self.spec_stats.cut_draft_tokens += max(len(drafts) - kept, 0)
+            drafts = drafts[:kept]
             n = min(remaining + len(drafts), budget)
             while not self.blocks.allocate(req, n, self.num_lookahead):
                 victim = self.running.pop()
@@ -164,6 +169,7 @@ class Scheduler:
         counts = self.confidence.plan([r.spec_scores[: len(r.spec_token_ids)] for r in reqs])
         if not self.confidence.drafting(len(self.running)):
             out.num_draft_tokens = 0
+            self.spec_stats.undrafted_steps += 1
         return {r.req_id: n for r, n in zip(reqs, counts)}
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
@@ -281,6 +287,7 @@ class Scheduler:
         if self.adaptive is not None:
             self.adaptive.observe_acceptance(judged)
         if self.confidence is not None:
+            self._expected = (sched, len(judged) + self.confidence.expected_gain(scored))
             self.confidence.observe_acceptance(scored)
         return outputs
 
@@ -300,15 +307,23 @@ class Scheduler:
         req.prompt_ranks += got.ranks[skip:]
 
     def record_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
-        """Feed the confidence policy the cost of every decode step (no prompt chunk), and
-        adaptive speculation the cost of a clean step: every request decoding and verifying
-        exactly the drafts the step also asked for (no change of k between this step and
-        the one before)."""
+        """Feed the confidence policy the cost of every decode step (no prompt chunk), with
+        the tokens it expected the step to emit and whether it and the step before ran the
+        MTP passes, and adaptive speculation the cost of a clean step: every request decoding
+        and verifying exactly the drafts the step also asked for (no change of k between
+        this step and the one before)."""
+        drafted = sched.num_draft_tokens != 0
+        steady, self._drafted_before = self._drafted_before == drafted, drafted
+        known = self._expected is not None and self._expected[0] is sched
+        tokens = self._expected[1] if known else 0.0
         if self.confidence is not None and sched.num_scheduled_tokens and not sched.new_requests:
             spec = sched.spec_token_ids
             if all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
                 rows = sum(sched.num_scheduled_tokens.values())
-                self.confidence.observe_step(len(sched.num_scheduled_tokens), rows, seconds)
+                self.confidence.observe_step(
+                    len(sched.num_scheduled_tokens), rows, seconds, tokens, drafted,
+                    steady and known,
+                )  # fmt: skip
         k = sched.num_draft_tokens
         if self.adaptive is None or k is None or sched.new_requests:
             return

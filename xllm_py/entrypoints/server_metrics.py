@@ -96,6 +96,17 @@ class _StatsCollector(Collector):
         for pos, n in enumerate(spec.accepted_per_position):
             per.add_metric([self.model, str(pos)], n)
         yield per
+        yield counter(
+            "xllm:spec_decode_num_cut_draft_tokens",
+            "MTP draft tokens the confidence policy left unverified (--speculative_confidence).",
+            spec.cut_draft_tokens,
+        )
+        yield counter(
+            "xllm:spec_decode_num_undrafted_steps",
+            "Steps --speculative_confidence=auto ran without the MTP passes (drafting did not "
+            "pay at that batch size, or the gate was measuring plain decoding).",
+            spec.undrafted_steps,
+        )
         yield self._acceptance_histogram(spec)
         if spec.adaptive_k:  # --speculative_adaptive
             k = GaugeMetricFamily(

@@ -69,8 +69,9 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None]  # [R]: per sampled token, when requested
     # [R][0 or k]: MTP drafts proposed for the request's next step
     draft_token_ids: list[list[int]] = field(default_factory=list)
-    # per request, the probability the draft's distribution gave each draft (the scheduler's
-    # confidence policy calibrates these: speculative/confidence.py); [] with draft_token_ids
+    # per request, the top probability of the distribution each draft was drawn from (the
+    # scheduler's confidence policy calibrates these: speculative/confidence.py); [] with
+    # draft_token_ids
     draft_scores: list[list[float]] = field(default_factory=list)
     # [R] or []: the prompt logprobs a step computed, for the requests that asked
     prompt_logprobs: list[PromptLogprobs | None] = field(default_factory=list)

@@ -4,6 +4,8 @@
                       requests, chained for k > 1 (worker-side: the model runner calls it)
     hot_vocab.py      HotVocabHead: drafts from the N most frequent target tokens only
     adaptive.py       AdaptiveSpeculation: the k per step (engine-side policy)
+    confidence.py     ConfidencePolicy: how many of its drafts each request verifies
+    gate.py           DraftGate: whether a step drafts at all (confidence "auto")
     metrics.py        SpecDecodeStats: drafts, accepted tokens, acceptance per position
 
 Verification (accept, recover, bonus) is the worker's `rejection_sampler.py`. This package

@@ -1,14 +1,15 @@
 """Confidence-scheduled draft length: how many of its drafts each request verifies.
 
-Every draft comes with a score, the probability the draft's distribution gave it (its top
-probability for a greedy draft). The policy turns scores into chances of acceptance:
+Every draft comes with a score: the top probability of the distribution it was drawn from
+(the draft's processed distribution q for a sampled draft, worker/draft_sampler.py; the
+draft logits' softmax for a greedy one, which is the probability of the draft itself).
+The policy turns scores into chances of acceptance:
 
     a_j(s)   the measured rate at which a draft at position j (0-based) with a score in s's
              bin is accepted when the drafts before it were; BINS bins per position,
              counts decayed by DECAY per step, plus PRIOR pseudo-counts of acceptance: a bin
              without data is optimistic (1), so its drafts are verified and measured, and
-             one that decayed back to few counts is measured again (a score is not a
-             chance: a sampled draft's q(d) is often far below the 1 - TV it is kept with)
+             one that decayed back to few counts is measured again
     C_j      a_0(s_0) * ... * a_j(s_j): the chance draft j is accepted, i.e. the expected
              tokens it adds to the request's step
 
@@ -16,21 +17,34 @@ A request verifies its drafts while C_j is at least the threshold, so the run st
 the draft stops being sure. Fewer drafts never change what is emitted: the target verifies
 whatever is sent (worker/rejection_sampler.py).
 
+Why a score may describe q but never the token drawn from it: a sampled draft d ~ q is
+accepted with min(1, p(d)/q(d)) and replaced from normalise(max(p - q, 0)) otherwise, and
+that emits exactly p only if d is verified whatever d is. A rule that looks at q(d) (keep
+the drafts whose own probability is high) verifies high-q tokens and sends the rest back
+to a plain draw from p; the verified ones are accepted most often, so confident tokens
+come out more often than p gives them (measured on the bundled model: TV 0.16 from plain
+decoding at T = 0.7). A decision made from the context and from q as a whole (its top
+probability here; the scores of the drafts before j, which are context once those drafts
+are accepted) is independent of d given them, and each position still emits p. A greedy
+draft is the argmax of its distribution, so its own probability is that top probability.
+
 The threshold is fixed (--speculative_confidence=FLOAT) or follows load ("auto"). With a
 step cost of S seconds for R requests and N verification rows, yielding T expected tokens,
 one more row costs d = dS/dN and adds C_j tokens; it raises tokens per second iff
 C_j * S > d * T. "auto" fits S = s0 + s_req * R + s_row * N to the measured decode steps
-(least squares with decay; steps with a prompt chunk are left out) and admits drafts in
-order of C_j for as long as that holds. At batch 1 a row is nearly free and the runs go
-deep; under load each row costs about S / N and only sure drafts are verified, the
+that drafted (least squares with decay; steps with a prompt chunk are left out) and admits
+drafts in order of C_j for as long as that holds. At batch 1 a row is nearly free and the
+runs go deep; under load each row costs about S / N and only sure drafts are verified, the
 least sure rows going to k = 0 first. Until MIN_STEPS steps are measured it uses
-START_THRESHOLD. When no draft can pay (the threshold is above every measured position-0 chance)
-the next step drafts nothing (`drafting()`), which makes it as cheap as plain decoding;
-drafting resumes once the estimate says a first draft would pay again, or once the
-counts have decayed away (then it drafts to measure again).
+START_THRESHOLD. Whether a step drafts at all is "auto"'s gate (speculative/gate.py): it
+measures tokens per second with and without drafting, per batch size, and runs the faster,
+so drafts that do not pay (an expensive MTP layer, a busy device, text the draft does not
+predict) leave the step as cheap as plain decoding.
 """
 
 from __future__ import annotations
+
+from xllm_py.speculative.gate import DraftGate
 
 BINS = 10  # score bins per draft position
 DECAY = 0.995  # acceptance counts, per step: a window of about 200 steps
@@ -88,6 +102,7 @@ class ConfidencePolicy:
         self.judged = [[0.0] * BINS for _ in range(max_k)]
         self.accepted = [[0.0] * BINS for _ in range(max_k)]
         self.cost = _LinearCost()
+        self.gate = DraftGate() if threshold == "auto" else None
 
     def chance(self, j: int, score: float) -> float:
         """a_j(score): calibrated chance that draft j is accepted given the ones before."""
@@ -128,17 +143,9 @@ class ConfidencePolicy:
         return take
 
     def drafting(self, requests: int) -> bool:
-        """Whether the next step should draft at all: False when even a sure first draft
-        would not pay at this load (auto only; the MTP passes are then skipped)."""
-        fit = self.cost.coefficients() if self.threshold == "auto" else None
-        if fit is None or requests == 0:
-            return True
-        row_cost, seconds = self._costs(fit, requests)
-        measured = [b for b in range(BINS) if self.judged[0][b] >= 1.0]
-        if not measured:  # nothing measured (or all decayed away): draft, and measure
-            return True
-        best = max(self.chance(0, (b + 0.5) / BINS) for b in measured)
-        return best * seconds > row_cost * requests
+        """Whether the next step, with `requests` requests running, should draft at all
+        (False: its MTP passes are skipped). Always with a fixed threshold."""
+        return self.gate is None or self.gate.drafting(requests)
 
     @staticmethod
     def _costs(fit: tuple[float, float, float], requests: int) -> tuple[float, float]:
@@ -148,6 +155,12 @@ class ConfidencePolicy:
         s0, s_req, s_row = fit
         seconds = max(s0 + (s_req + max(s_row, 0.0)) * requests, 1e-9)
         return min(max(s_row, 0.0), seconds / max(requests, 1)), seconds
+
+    def expected_gain(self, results: list[tuple[list[float], int]]) -> float:
+        """Tokens a step's verified drafts (their scores, per request) were expected to add:
+        the sum of their C_j. The gate rates drafting steps by this rather than by the
+        tokens they happened to emit: the same mean, far less noise at small batches."""
+        return sum(sum(self.runs(scores)) for scores, _ in results)
 
     # ---- what the step reports ------------------------------------------------------------
 
@@ -164,6 +177,13 @@ class ConfidencePolicy:
                 if j < accepted:
                     self.accepted[j][b] += 1.0
 
-    def observe_step(self, requests: int, rows: int, seconds: float) -> None:
-        """A decode step (no prompt chunk): `requests` requests, `rows` verification rows."""
-        self.cost.observe(requests, rows, seconds)
+    def observe_step(
+        self, requests: int, rows: int, seconds: float, tokens: float, drafted: bool, steady: bool
+    ) -> None:
+        """A decode step (no prompt chunk): `requests` requests, `rows` verification rows,
+        `tokens` it was expected to emit (requests + expected_gain); `drafted`: it ran the
+        MTP passes; `steady`: so did the step before it (or neither did)."""
+        if drafted:
+            self.cost.observe(requests, rows, seconds)
+        if self.gate is not None and steady:
+            self.gate.observe(requests, drafted, tokens, seconds)

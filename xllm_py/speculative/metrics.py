@@ -37,6 +37,10 @@ class SpecDecodeStats:
     # cumulative), and the sum of their rates
     acceptance_buckets: list[int] = field(default_factory=lambda: [0] * len(ACCEPTANCE_BUCKETS))
     acceptance_sum: float = 0.0
+    # the confidence policy (speculative/confidence.py): drafts it left unverified, and
+    # steps its gate ran without the MTP passes (speculative/gate.py)
+    cut_draft_tokens: int = 0
+    undrafted_steps: int = 0
 
     def record(self, drafts: list[int], accepted: int) -> None:
         if not drafts:
@@ -68,6 +72,8 @@ class SpecDecodeStats:
             list(adaptive.steps_by_k) if adaptive is not None else [],
             list(self.acceptance_buckets),
             self.acceptance_sum,
+            self.cut_draft_tokens,
+            self.undrafted_steps,
         )
 
     @property

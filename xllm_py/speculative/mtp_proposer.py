@@ -104,8 +104,8 @@ class MTPProposer:
     def propose(
         self, items: list[ProposeInput], target_hidden: torch.Tensor | None, k: int | None = None
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """Per item, its drafts (k tokens, or none) and their scores (the probability the
-        draft's distribution gave each: speculative/confidence.py calibrates them). `k`
+        """Per item, its drafts (k tokens, or none) and their scores (the top probability of
+        the distribution each was drawn from: speculative/confidence.py calibrates them). `k`
         below the configured number (adaptive speculation) shortens the chain; every layer
         the configured number uses still fills its cache. Under DP attention the ranks
         first agree on the passes, and this rank joins those it has no tokens for
@@ -212,9 +212,10 @@ class MTPProposer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft tokens [T] from block outputs x [T, hidden] of `items` (drafts: every
         item's drafts so far, `want` the indices of these), and each one's score [T]: the
-        probability the draft's distribution gave it. The logits cover the whole vocabulary
+        top probability of the distribution it was drawn from. The logits cover the whole vocabulary
         or the hot tokens (speculative/hot_vocab.py), among the tokens each row's grammar
-        allows. Greedy: their argmax; with a sampled item, `choose` draws from them."""
+        allows. Greedy: their argmax, scored by its probability (the top one); with a sampled
+        item, `choose` draws from them."""
         allowed = self._allowed(items)
         sampled = self.choose is not None and any(it.sampled for it in items)
         if self.hot is not None:

@@ -56,8 +56,10 @@ class DraftSampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft step `step` (0-based) of each row's request: logits [T, V] of the draft
         (-inf outside the hot tokens and the grammar), drafts: each row's drafts so far.
-        Returns the draft tokens [T] and their scores [T] (the probability q gave each; the
-        top probability on greedy rows), and keeps q for the unseeded sampled rows."""
+        Returns the draft tokens [T] and their scores [T], and keeps q for the unseeded
+        sampled rows. A score is the top probability of the row's distribution (q, or the
+        draft's softmax on a greedy row), never q(d) of the token drawn: which drafts get
+        verified must not depend on the draw (speculative/confidence.py)."""
         runner = self.runner
         logits = logits.float()
         raw_score, raw_argmax = torch.softmax(logits, dim=-1).max(dim=-1)
@@ -74,7 +76,7 @@ class DraftSampler:
             probs[dead] = 1.0 / probs.shape[1]
         _, noise = runner.sampler.draws(probs, batch)  # seeded rows: that output's noise
         tokens = (probs / noise).argmax(dim=-1)
-        score = probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        score = probs.max(dim=-1).values
         if not batch.all_greedy:
             tokens = torch.where(batch.greedy, raw_argmax, tokens)
             score = torch.where(batch.greedy, raw_score.nan_to_num(0.0), score)
