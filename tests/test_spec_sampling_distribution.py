@@ -8,7 +8,13 @@ distribution q and verified with min(1, p/q) and the residual (worker/draft_samp
 the default drafting). Settings: temperature 1.0, temperature 0.7 with top-k and top-p
 0.9, temperature 1.2 with min-p 0.05, temperature 0.8 with presence, frequency and
 repetition penalties, and temperature 1.0 under a JSON-schema grammar; the
-hot-vocabulary run restricts q to the hot tokens.
+hot-vocabulary run restricts q to the hot tokens. Those runs use the defaults
+(--speculative_confidence=auto). The confidence policy's cuts get runs of their own: a
+fixed threshold that leaves about half the proposed drafts unverified, at k = 1 and 3, at
+T = 0.7 with top-k/top-p and at T = 1.2 with min-p, after 512 requests have calibrated it.
+With the bug those runs exist for put back (a draft scored by the drawn token's own
+probability q(d), speculative/confidence.py) the T = 0.7, k = 1 run fails at positions
+1-3 with p < 1e-7 (TV 0.10-0.15 from plain decoding).
 
 The threshold is calibrated by plain against plain (two seeds): it passes, while a
 verifier that judges drafts by an unnormalised min-p distribution, or by the raw softmax
@@ -149,8 +155,9 @@ def test_speculative_sampling_keeps_the_distribution(ids, plain, setting, k):
     m = llm.get_metrics()
     # both verification outcomes occur: drafts are accepted and drafts are rejected
     assert 0 < m.accepted_tokens < m.draft_tokens
-    if k == 3:  # the policy cut runs short: which drafts are verified was decided
-        assert m.cut_draft_tokens > 0
+    # the policy decided what was verified: it cut runs short (below its start threshold)
+    # or ran steps without drafting (its gate measuring plain decoding at this batch size)
+    assert m.cut_draft_tokens + m.undrafted_steps > 0
     assert_same_distribution(plain[setting], spec, f"k={k} vs plain, {setting}")
 
 

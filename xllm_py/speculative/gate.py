@@ -5,78 +5,95 @@ drafts the step before proposed (as many as speculative/confidence.py's plan kee
 step that does not is a plain decoding step: the MTP passes are skipped, so the next step
 has nothing to verify. Which one emits more tokens per second depends on the model (on
 the bundled small model an MTP pass costs a quarter of a target step, on DeepSeek-V3 a
-sixtieth), the device, the batch size and the text, so the gate measures both:
+sixtieth), the device, the batch size and the text, so the gate measures both kinds:
 
-    yield    tokens a step was expected to emit per request: 1 without drafts, 1 plus
-             the chances of its verified drafts with them (speculative/confidence.py's
+    cost     seconds of a step, start to next start (the passes and the engine's own work
+             around them, as speculative/adaptive.py times its steps), fitted per kind as
+             S(R) = a + b * R over the batch sizes R measured (least squares, decayed by
+             FIT_DECAY per step of that kind): every batch size informs the others, and a
+             step far above the fit (a collector pause, another thread) is clipped to
+             CLIP times it before it counts
+    yield    tokens a step was expected to emit per request: 1 without drafts; with them,
+             1 plus the chances of its verified drafts (speculative/confidence.py's
              calibrated C_j: the mean of the tokens emitted, without the noise of each
-             step's few acceptances)
-    cost     seconds per request of a step, start to next start (the passes and the
-             engine's own work around them, as speculative/adaptive.py times its steps)
-    rate     mean yield / median cost over the last WINDOW steady steps of that kind
-             (the median: a step stalled by another thread or a collector must not decide)
+             step's few acceptances), the mean of the last WINDOW drafting steps of the
+             batch-size bucket (speculative/adaptive.py's buckets: 1, 2, 3-4, 5-8, ...),
+             since the plan keeps fewer drafts under load
+    rate     R * yield / S(R), per kind, at the step's batch size
 
-per batch-size bucket (speculative/adaptive.py's: 1, 2, 3-4, 5-8, ...). Only steady
-decode steps count: no prompt chunk in the step, and the step before drafted or not
-as this one does (the step that turns drafting on pays for passes whose drafts the next
-step verifies; the one that turns it off verifies drafts it did not pay for).
+Only steady decode steps count: no prompt chunk in the step, and the step before drafted
+or not as this one does (the step that turns drafting on pays for passes whose drafts the
+next step verifies; the one that turns it off verifies drafts it did not pay for).
 
-A bucket first measures both kinds for HOLD steps each (drafting first); afterwards
-it runs the kind with the higher rate and, every EXPLORE_EVERY steps, holds the other
-kind for HOLD steps so its rate stays current: the gate never goes on believing an old
-measurement, and a workload that starts to accept drafts (or stops) is noticed within
-some EXPLORE_EVERY steps. The incumbent is replaced only when the other kind measures
-SWITCH_MARGIN better, so noise does not make it flap. What exploring costs when drafting
-does not pay: HOLD steps in EXPLORE_EVERY at the slower rate.
+Each bucket first holds each kind for HOLD steps (drafting first), then runs the kind
+with the higher rate; drafting must beat plain decoding by MARGIN to take over, and keeps
+the step while it is not slower, so MTP is never chosen on a measurement that cannot
+tell it from plain. Every EXPLORE_EVERY steps of a bucket the other kind is held for HOLD
+steps, so its fit stays current: a workload that starts to accept drafts (or stops) is
+noticed within some EXPLORE_EVERY steps. What exploring costs when drafting does not pay:
+HOLD steps in EXPLORE_EVERY at the slower rate.
 
 Whether a step drafts depends on batch sizes and timings only, never on any draft, so
 the gate cannot bias the output (speculative/confidence.py says why that matters).
 While drafting is off the decoding requests' MTP latent cache gets no entries for the
 positions they decode; drafts proposed after the gate turns it back on attend over
 those slots as they are (lossless still, acceptance lower on those requests), as with
-adaptive k = 0.
+adaptive k = 0. Prompt chunks always run the MTP layer, so a request admitted while
+drafting is off drafts well once it is on.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 from dataclasses import dataclass, field
 
 from xllm_py.speculative.adaptive import batch_bucket
 
+logger = logging.getLogger(__name__)
+
 HOLD = 4  # steps a trial holds one kind: a transition, then HOLD - 1 steady samples
 EXPLORE_EVERY = 96  # bucket steps between trials of the kind not running
-WINDOW = 12  # steady steps kept per kind and bucket
-SWITCH_MARGIN = 0.03  # the other kind must measure this much faster to take over
+WINDOW = 12  # drafting yields kept per bucket
+FIT_DECAY = 0.98  # the cost fits, per step of their kind: a window of about 50 steps
+CLIP = 2.0  # a step over CLIP times its fitted cost counts as CLIP times it
+MARGIN = 0.03  # drafting must measure this much faster than plain decoding to take over
 
 
-@dataclass
-class _Samples:
-    """Steady steps of one kind in one bucket: yields (tokens per request) and costs
-    (seconds per request), the latest last."""
+class _CostFit:
+    """S(R) = a + b * R for one kind of step, by decayed least squares."""
 
-    yields: list[float] = field(default_factory=list)
-    costs: list[float] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.n = self.sx = self.sxx = self.sy = self.sxy = 0.0
 
-    def add(self, tokens: float, seconds: float) -> None:
-        self.yields.append(tokens)
-        self.costs.append(seconds)
-        del self.yields[:-WINDOW], self.costs[:-WINDOW]
+    def observe(self, requests: int, seconds: float) -> None:
+        guess = self.predict(requests)
+        if guess is not None:
+            seconds = min(seconds, CLIP * guess)
+        x = float(requests)
+        self.n = self.n * FIT_DECAY + 1.0
+        self.sx = self.sx * FIT_DECAY + x
+        self.sxx = self.sxx * FIT_DECAY + x * x
+        self.sy = self.sy * FIT_DECAY + seconds
+        self.sxy = self.sxy * FIT_DECAY + x * seconds
 
-    @staticmethod
-    def both() -> dict[bool, _Samples]:
-        """Drafting (True) and plain (False) steps."""
-        return {True: _Samples(), False: _Samples()}
-
-    @property
-    def rate(self) -> float:
-        """Tokens per second per request: mean yield over median cost."""
-        return statistics.fmean(self.yields) / max(statistics.median(self.costs), 1e-9)
+    def predict(self, requests: int) -> float | None:
+        """Seconds of a step of `requests` requests; None before HOLD - 1 steps. Batch
+        sizes with no spread fit a flat cost per request (b = mean / R, a = 0)."""
+        if self.n < HOLD - 1 - 1e-9:
+            return None
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        spread = self.sxx / self.n - mean_x * mean_x
+        if spread < 0.25:  # (nearly) one batch size so far: cost in proportion to it
+            return max(mean_y * requests / max(mean_x, 1.0), 1e-9)
+        b = (self.sxy / self.n - mean_x * mean_y) / spread
+        return max(mean_y + b * (requests - mean_x), 1e-9)
 
 
 @dataclass
 class _Bucket:
-    kinds: dict[bool, _Samples] = field(default_factory=lambda: _Samples.both())
+    samples: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    yields: list[float] = field(default_factory=list)  # drafting steps' yield per request
     steps: int = 0  # steps chosen in this bucket
     trial: tuple[bool, int] | None = None  # (kind, steps left)
     incumbent: bool | None = None  # the kind this bucket runs between trials
@@ -85,6 +102,7 @@ class _Bucket:
 class DraftGate:
     def __init__(self) -> None:
         self.buckets: dict[int, _Bucket] = {}
+        self.fits = {True: _CostFit(), False: _CostFit()}  # drafting, plain
         self.steps = {True: 0, False: 0}  # steps chosen with drafting on and off
 
     def drafting(self, requests: int) -> bool:
@@ -93,19 +111,19 @@ class DraftGate:
             return True
         bucket = self.buckets.setdefault(batch_bucket(requests), _Bucket())
         bucket.steps += 1
-        kind = self._next(bucket)
+        kind = self._next(bucket, requests)
         self.steps[kind] += 1
         return kind
 
-    def _next(self, bucket: _Bucket) -> bool:
+    def _next(self, bucket: _Bucket, requests: int) -> bool:
         if bucket.trial is not None:
             kind, left = bucket.trial
             bucket.trial = (kind, left - 1) if left > 1 else None
             return kind
         for kind in (True, False):
-            if len(bucket.kinds[kind].costs) < HOLD - 1:
+            if bucket.samples[kind] < HOLD - 1:
                 return self._start_trial(bucket, kind)
-        best = self.best(bucket)
+        best = self.best(bucket, requests)
         if bucket.steps % EXPLORE_EVERY == 0:
             return self._start_trial(bucket, not best)
         return best
@@ -115,18 +133,33 @@ class DraftGate:
         bucket.trial = (kind, HOLD - 1)
         return kind
 
-    @staticmethod
-    def best(bucket: _Bucket) -> bool:
-        """The kind with the higher measured rate (the incumbent unless beaten by a margin)."""
-        on, off = bucket.kinds[True].rate, bucket.kinds[False].rate
-        faster = on >= off
-        if bucket.incumbent is None or bucket.incumbent == faster:
-            bucket.incumbent = faster
-        elif max(on, off) > min(on, off) * (1 + SWITCH_MARGIN):
-            bucket.incumbent = faster
-        return bucket.incumbent
+    def rates(self, bucket: _Bucket, requests: int) -> tuple[float, float] | None:
+        """Tokens per second at this batch size (drafting, plain), once both are measured."""
+        on, off = self.fits[True].predict(requests), self.fits[False].predict(requests)
+        if on is None or off is None or not bucket.yields:
+            return None
+        return requests * statistics.fmean(bucket.yields) / on, requests / off
+
+    def best(self, bucket: _Bucket, requests: int) -> bool:
+        """Drafting if it measures MARGIN faster, or is the incumbent and not slower."""
+        rates = self.rates(bucket, requests)
+        if rates is None:
+            return bucket.incumbent is not False
+        on, off = rates
+        drafting = on >= off * (1.0 if bucket.incumbent else 1.0 + MARGIN)
+        if drafting != bucket.incumbent:
+            logger.info(
+                "speculative gate, batch %d: drafting %s (%.1f tok/s with drafts, %.1f "
+                "without, as measured)", requests, "on" if drafting else "off", on, off
+            )
+        bucket.incumbent = drafting
+        return drafting
 
     def observe(self, requests: int, drafting: bool, tokens: float, seconds: float) -> None:
         """A steady decode step of `requests` requests, expected to emit `tokens` tokens."""
         bucket = self.buckets.setdefault(batch_bucket(requests), _Bucket())
-        bucket.kinds[drafting].add(tokens / requests, seconds / requests)
+        bucket.samples[drafting] += 1
+        self.fits[drafting].observe(requests, seconds)
+        if drafting:
+            bucket.yields.append(tokens / requests)
+            del bucket.yields[:-WINDOW]
