@@ -150,7 +150,11 @@ class DraftGate:
         if drafting != bucket.incumbent:
             logger.info(
                 "speculative gate, batch %d: drafting %s (%.1f tok/s with drafts, %.1f "
-                "without, as measured)", requests, "on" if drafting else "off", on, off
+                "without, as measured)",
+                requests,
+                "on" if drafting else "off",
+                on,
+                off,
             )
         bucket.incumbent = drafting
         return drafting
