@@ -28,10 +28,11 @@ next step verifies; the one that turns it off verifies drafts it did not pay for
 Each bucket first holds each kind for HOLD steps (drafting first), then runs the kind
 with the higher rate; drafting must beat plain decoding by MARGIN to take over, and keeps
 the step while it is not slower, so MTP is never chosen on a measurement that cannot
-tell it from plain. Every EXPLORE_EVERY steps of a bucket the other kind is held for HOLD
-steps, so its fit stays current: a workload that starts to accept drafts (or stops) is
-noticed within some EXPLORE_EVERY steps. What exploring costs when drafting does not pay:
-HOLD steps in EXPLORE_EVERY at the slower rate.
+tell it from plain. Every EXPLORE_EVERY steps of a bucket (up to 8 times that, the more
+the kinds' rates differ) the other kind is held for HOLD steps, so its fit stays
+current: a workload that starts to accept drafts (or stops) is noticed within some
+hundreds of steps. What exploring costs when drafting does not pay: HOLD steps in
+EXPLORE_EVERY x (1 + gap in tenths) at a rate lower by that gap.
 
 Whether a step drafts depends on batch sizes and timings only, never on any draft, so
 the gate cannot bias the output (speculative/confidence.py says why that matters).
@@ -124,9 +125,19 @@ class DraftGate:
             if bucket.samples[kind] < HOLD - 1:
                 return self._start_trial(bucket, kind)
         best = self.best(bucket, requests)
-        if bucket.steps % EXPLORE_EVERY == 0:
+        if bucket.steps % self._explore_every(bucket, requests) == 0:
             return self._start_trial(bucket, not best)
         return best
+
+    def _explore_every(self, bucket: _Bucket, requests: int) -> int:
+        """EXPLORE_EVERY steps, times 1 + the measured gap between the kinds in tenths: a
+        kind 30% slower is re-measured every 4 x EXPLORE_EVERY steps, since a trial of it
+        costs in proportion to the gap and is less likely to change the decision."""
+        rates = self.rates(bucket, requests)
+        if rates is None:
+            return EXPLORE_EVERY
+        gap = abs(rates[0] / max(rates[1], 1e-9) - 1.0)
+        return EXPLORE_EVERY * (1 + min(int(gap * 10), 7))
 
     @staticmethod
     def _start_trial(bucket: _Bucket, kind: bool) -> bool:
