@@ -101,6 +101,7 @@ def test_only_clean_steps_are_timed():
     ctl = AdaptiveSpeculation(2)
     sched = Scheduler.__new__(Scheduler)
     sched.adaptive, sched.confidence = ctl, None
+    sched._expected, sched._drafted_before = None, None
 
     def step(**kw):
         sched.record_step_time(SchedulerOutput(num_draft_tokens=2, **kw), 0.5)

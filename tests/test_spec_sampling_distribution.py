@@ -155,9 +155,6 @@ def test_speculative_sampling_keeps_the_distribution(ids, plain, setting, k):
     m = llm.get_metrics()
     # both verification outcomes occur: drafts are accepted and drafts are rejected
     assert 0 < m.accepted_tokens < m.draft_tokens
-    # the policy decided what was verified: it cut runs short (below its start threshold)
-    # or ran steps without drafting (its gate measuring plain decoding at this batch size)
-    assert m.cut_draft_tokens + m.undrafted_steps > 0
     assert_same_distribution(plain[setting], spec, f"k={k} vs plain, {setting}")
 
 

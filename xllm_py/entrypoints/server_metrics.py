@@ -96,17 +96,7 @@ class _StatsCollector(Collector):
         for pos, n in enumerate(spec.accepted_per_position):
             per.add_metric([self.model, str(pos)], n)
         yield per
-        yield counter(
-            "xllm:spec_decode_num_cut_draft_tokens",
-            "MTP draft tokens the confidence policy left unverified (--speculative_confidence).",
-            spec.cut_draft_tokens,
-        )
-        yield counter(
-            "xllm:spec_decode_num_undrafted_steps",
-            "Steps --speculative_confidence=auto ran without the MTP passes (drafting did not "
-            "pay at that batch size, or the gate was measuring plain decoding).",
-            spec.undrafted_steps,
-        )
+        yield from self._confidence_counters(spec)
         yield self._acceptance_histogram(spec)
         if spec.adaptive_k:  # --speculative_adaptive
             k = GaugeMetricFamily(
@@ -125,6 +115,19 @@ class _StatsCollector(Collector):
             for n_drafts, n in enumerate(spec.steps_by_k):
                 steps.add_metric([self.model, str(n_drafts)], n)
             yield steps
+
+    def _confidence_counters(self, spec: SpecDecodeStats):
+        """What --speculative_confidence left out: drafts, and whole steps' MTP passes."""
+        for name, doc, value in [
+            ("xllm:spec_decode_num_cut_draft_tokens", "MTP draft tokens the confidence "
+             "policy left unverified (--speculative_confidence).", spec.cut_draft_tokens),
+            ("xllm:spec_decode_num_undrafted_steps", "Steps --speculative_confidence=auto ran "
+             "without the MTP passes (drafting did not pay at that batch size, or the gate "
+             "was measuring plain decoding).", spec.undrafted_steps),
+        ]:  # fmt: skip
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model], value)
+            yield family
 
     def _acceptance_histogram(self, spec: SpecDecodeStats) -> HistogramMetricFamily:
         h = HistogramMetricFamily(
