@@ -33,6 +33,10 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprob
 # Long prompts take the expanded attention form, decode steps the absorbed one; one token
 # per step of 4 requests routes 8 or 12 assignments (both MoE execution paths run).
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [200, 3, 17, 90, 41, 8, 8, 9, 100, 12], [42]]
+# Every step drafts: the confidence policy times the steps and switches drafting off where
+# it does not pay, so two processes would take different steps (and the verification
+# graphs would not run)
+NO_POLICY = dict(speculative_confidence="off")
 
 
 def generate(path, k: int, parallel: ParallelContext | None = None, **engine):
@@ -46,7 +50,7 @@ def generate(path, k: int, parallel: ParallelContext | None = None, **engine):
         block_size=16,
         max_cache_size=4 << 20,  # same block count on every rank, whatever RAM is free
         num_speculative_tokens=k,
-        **engine,
+        **(NO_POLICY | engine),
     )
     model = llm.engine.core.executor.worker.model
     seen = []
@@ -133,13 +137,8 @@ def test_two_ranks_generate_like_one_process(jobs, single, ep_size, tmp_path):
             assert torch.equal(a, b)
 
 
-# Every step drafts (the confidence policy, timed, would switch drafting off where it does
-# not pay, and the verification graphs would not run)
-NO_POLICY = dict(speculative_confidence="off")
-
-
 def _generate_in_graph_mode(path, parallel: ParallelContext):
-    return generate(path, 1, parallel, enable_graph=True, graph_batch_sizes=[4], **NO_POLICY)
+    return generate(path, 1, parallel, enable_graph=True, graph_batch_sizes=[4])
 
 
 # Slow (about 2.5 minutes of compiling on 2 cores): `make test-slow`. `make test` keeps graph
@@ -151,7 +150,7 @@ def test_two_ranks_in_graph_mode_generate_like_one_eager_process(mtp_ckpt, tmp_p
     tokens, logprobs, hidden states and logits of one eager process, MTP k = 1. (Expert
     parallel in graph mode: tests/test_cluster.py's two-node graph test.)"""
     ranks = run_ranks(1, functools.partial(_generate_in_graph_mode, mtp_ckpt), tmp_path)
-    outs, seen = generate(mtp_ckpt, 1, **NO_POLICY)
+    outs, seen = generate(mtp_ckpt, 1)
     for r, (r_outs, r_seen) in enumerate(ranks):
         graph_steps = r_seen.pop()
         # decode steps (all 4 requests with a draft, or one request left) ran in the graphs
@@ -177,6 +176,7 @@ def _hot_vocab_run(path, token_map, parallel: ParallelContext | None = None):
         max_cache_size=4 << 20,
         num_speculative_tokens=2,
         speculative_draft_vocab_size=100,
+        **NO_POLICY,
         speculative_token_map=str(token_map),
     )
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
