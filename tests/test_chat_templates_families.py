@@ -36,8 +36,8 @@ import pytest
 
 from xllm_py.assets import BUNDLED_MODEL_DIR
 from xllm_py.engine.tokenizer import ChatTemplateRefused, Tokenizer
-from xllm_py.entrypoints import reasoning
-from xllm_py.entrypoints.tool_parser import parse
+from xllm_py.formats import reasoning
+from xllm_py.formats.tool_parser import parse
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TEMPLATES = FIXTURES / "chat_templates"

@@ -31,7 +31,6 @@ from xllm_py.cluster.wire import (
     sched_to_pb,
 )
 from xllm_py.entrypoints.llm import engine_config
-from xllm_py.entrypoints.tool_parser import tool_call_grammar
 from xllm_py.executor.messages import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -39,6 +38,7 @@ from xllm_py.executor.messages import (
     PromptLogprobs,
     SchedulerOutput,
 )
+from xllm_py.formats.tool_parser import tool_call_grammar
 from xllm_py.sampling_params import StructuredOutput
 from xllm_py.sharegpt import held_out_user_turns
 

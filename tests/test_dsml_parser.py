@@ -1,6 +1,6 @@
 """Tool calls in DeepSeek-V3.2's DSML (`--tool_call_parser=deepseek_v32`).
 
-- The reader (xllm_py/entrypoints/dsml.py, `DsmlStream`) on text fixtures written
+- The reader (xllm_py/formats/dsml.py, `DsmlStream`) on text fixtures written
   from the format as DeepSeek's encoder writes it (`\\n\\n`, the calls' tag, one invoke a
   line, one parameter a line): typed (`string="false"`, JSON) and raw (`string="true"`)
   parameters, nested JSON, several invokes, text before the block, malformed invokes and
@@ -39,14 +39,14 @@ from tests.server_utils import ROOT, Server, eager_unless_asked
 from tests.test_tool_calls import TOOLS
 from tests.test_tool_parsers_v31_kimi import named, pieces, required_call, stream
 from xllm_py.assets import BUNDLED_MODEL_DIR
-from xllm_py.entrypoints import encoding_dsv32, tool_parser
-from xllm_py.entrypoints.dsml import (
+from xllm_py.formats import encoding_dsv32, tool_parser
+from xllm_py.formats.dsml import (
     DSML_CALLS_BEGIN,
     DSML_CALLS_END,
     DSML_INVOKE_END,
     DSML_PARAM_END,
 )
-from xllm_py.entrypoints.tool_parser import (
+from xllm_py.formats.tool_parser import (
     CALL_BEGIN,
     CALL_END,
     CALLS_BEGIN,

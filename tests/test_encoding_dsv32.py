@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2's prompts (xllm_py/entrypoints/encoding_dsv32.py: `--chat_template`).
+"""DeepSeek-V3.2's prompts (xllm_py/formats/encoding_dsv32.py: `--chat_template`).
 
 - Fixtures: expected prompt strings written by hand from DeepSeek's published rules
   (`encoding/encoding_dsv32.py` of DeepSeek-V3.2: BOS first; `<｜User｜>TEXT<｜Assistant｜>`
@@ -21,8 +21,8 @@ from __future__ import annotations
 import pytest
 
 from xllm_py.args import EngineArgs
-from xllm_py.entrypoints import reasoning
-from xllm_py.entrypoints.encoding_dsv32 import applies, encode_messages, render
+from xllm_py.formats import reasoning
+from xllm_py.formats.encoding_dsv32 import applies, encode_messages, render
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"

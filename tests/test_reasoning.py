@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.server_utils import Server
-from xllm_py.entrypoints.reasoning import (
+from xllm_py.formats.reasoning import (
     KIMI_TOOLS,
     StreamSplitter,
     split,

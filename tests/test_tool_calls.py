@@ -1,6 +1,6 @@
 """Tool calls in DeepSeek-V3's format (`--tool_call_parser=deepseek_v3`).
 
-- The parser (xllm_py/entrypoints/tool_parser.py) on text fixtures written from
+- The parser (xllm_py/formats/tool_parser.py) on text fixtures written from
   DeepSeek-V3's documented format: one call, parallel calls, text before the calls, the
   output cut into stream chunks at every place (arguments split included), a malformed
   call, parallel_tool_calls=false, an output cut short inside a call.
@@ -34,9 +34,9 @@ from tests.test_bundled_model import held_out_user_turns
 from xllm_py import LLM, SamplingParams
 from xllm_py.assets import BUNDLED_MODEL_DIR
 from xllm_py.engine.tokenizer import Tokenizer
-from xllm_py.entrypoints import tool_parser
 from xllm_py.entrypoints.openai_protocol import APIError, ChatCompletionRequest
-from xllm_py.entrypoints.tool_parser import (
+from xllm_py.formats import tool_parser
+from xllm_py.formats.tool_parser import (
     CALL_BEGIN,
     CALL_END,
     CALLS_BEGIN,

@@ -1,7 +1,7 @@
 """Tool calls in DeepSeek-V3.1's format (`--tool_call_parser=deepseek_v31`) and Kimi-K2's
 (`--tool_call_parser=kimi_k2`).
 
-- The reader (xllm_py/entrypoints/tool_parser.py) on text fixtures written from the
+- The reader (xllm_py/formats/tool_parser.py) on text fixtures written from the
   formats as the models' chat templates render them: one call, several in one section,
   text before the section, a malformed call skipped, text after the section dropped, an
   output cut short inside a call, a marker that never completed; each parsed whole,
@@ -41,8 +41,8 @@ from xllm_py import LLM, SamplingParams
 from xllm_py.assets import BUNDLED_MODEL_DIR
 from xllm_py.config import ModelConfig
 from xllm_py.engine.tokenizer import Tokenizer
-from xllm_py.entrypoints import reasoning, tool_parser
-from xllm_py.entrypoints.tool_parser import (
+from xllm_py.formats import reasoning, tool_parser
+from xllm_py.formats.tool_parser import (
     CALL_BEGIN,
     CALL_END,
     CALLS_BEGIN,

@@ -37,9 +37,9 @@ import sys
 
 from xllm_py.args import EngineArgs
 from xllm_py.args import build_parser as _build_parser
-from xllm_py.entrypoints.reasoning import PARSERS as REASONING_PARSERS
 from xllm_py.entrypoints.serve import build_server, run
-from xllm_py.entrypoints.tool_parser import PARSERS as TOOL_CALL_PARSERS
+from xllm_py.formats.reasoning import PARSERS as REASONING_PARSERS
+from xllm_py.formats.tool_parser import PARSERS as TOOL_CALL_PARSERS
 
 __all__ = ["build_parser", "build_server", "main", "run"]
 

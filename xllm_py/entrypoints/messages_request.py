@@ -10,7 +10,6 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from xllm_py.entrypoints import reasoning
 from xllm_py.entrypoints.openai_protocol import (
     INT32_MAX,
     MAX_STOP,
@@ -19,6 +18,7 @@ from xllm_py.entrypoints.openai_protocol import (
     _Body,
     from_validation_error,
 )
+from xllm_py.formats import reasoning
 
 PREFIX = "/v1/messages"
 TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"  # what chat's FunctionDef accepts

@@ -33,7 +33,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from xllm_py.entrypoints import encoding_dsv32, reasoning
 from xllm_py.entrypoints.choice_output import Choice, ChoiceOutput, Formatter
 from xllm_py.entrypoints.engine_client import (
     EngineClient,
@@ -49,6 +48,7 @@ from xllm_py.entrypoints.openai_protocol import (
     from_validation_error,
 )
 from xllm_py.entrypoints.server_metrics import ServerMetrics
+from xllm_py.formats import encoding_dsv32, reasoning
 from xllm_py.sampling_params import StructuredOutput
 from xllm_py.structured import (
     GrammarCompileTimeout,

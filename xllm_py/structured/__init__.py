@@ -8,7 +8,7 @@ A request's `StructuredOutput` names a kind and its source text:
     choice       a JSON list of strings           vLLM's guided_choice: exactly one of them
     grammar      an EBNF grammar (xgrammar's)     vLLM's guided_grammar
     structural_tag  xgrammar's structural tag (JSON)  vLLM's structural_tag; tool calls
-                 with tool_choice "required" or named (entrypoints/tool_parser.py); any of
+                 with tool_choice "required" or named (formats/tool_parser.py); any of
                  the above after a reasoning block (`after_reasoning`)
 
 `Grammars` compiles specs for one tokenizer (StructuredOutput lives in sampling_params.py,

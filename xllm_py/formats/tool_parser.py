@@ -54,7 +54,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from xllm_py.entrypoints.reasoning import held_back
+from xllm_py.formats.reasoning import held_back
 from xllm_py.structured import json_schema_grammar
 
 # DeepSeek-V3's markers (V3.1 keeps them)
@@ -297,7 +297,7 @@ def _merge(deltas: list[dict]) -> list[dict]:
 def stream_for(parser: str, parallel: bool = True) -> StreamReader:
     """The reader of `parser`'s format (a name in PARSERS: --tool_call_parser)."""
     if parser == "deepseek_v32":
-        from xllm_py.entrypoints.dsml import DsmlStream  # (dsml.py builds on this module)
+        from xllm_py.formats.dsml import DsmlStream  # (dsml.py builds on this module)
 
         return DsmlStream(parallel)
     return ToolCallStream(parallel, FORMATS[parser])
@@ -324,7 +324,7 @@ def tool_call_grammar(
     fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     single = only is not None or not parallel
     if parser == "deepseek_v32":
-        from xllm_py.entrypoints.dsml import dsml_section
+        from xllm_py.formats.dsml import dsml_section
 
         section = dsml_section(fns, single)
         return json.dumps({"type": "structural_tag", "format": section}, ensure_ascii=False)

@@ -48,8 +48,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from xllm_py.entrypoints import reasoning
-from xllm_py.entrypoints.dsml import (
+from xllm_py.formats import reasoning
+from xllm_py.formats.dsml import (
     DSML,
     DSML_CALLS_BEGIN,
     DSML_CALLS_END,

@@ -30,8 +30,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from xllm_py.entrypoints.reasoning import held_back
-from xllm_py.entrypoints.tool_parser import (
+from xllm_py.formats.reasoning import held_back
+from xllm_py.formats.tool_parser import (
     FN_NAME,
     StreamReader,
     ToolCall,

@@ -1,0 +1,12 @@
+"""The model families' output and prompt formats, below the HTTP layer and usable offline:
+
+    tool_parser.py     tool calls read whole or streamed, one incremental reader per
+                       `--tool_call_parser` format, and the grammars that force them
+    dsml.py            DeepSeek-V3.2's DSML tool calls (its reader and grammar)
+    reasoning.py       the reasoning split (`--reasoning_parser`)
+    encoding_dsv32.py  DeepSeek-V3.2's prompt rules, which have no Jinja template
+                       (`--chat_template=deepseek_v32`)
+
+They import nothing of the engine: only text in, text (or calls) out, and the grammars
+structured/ compiles.
+"""
