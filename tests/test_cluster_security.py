@@ -29,11 +29,11 @@ import pytest
 
 from tests.server_utils import ROOT, free_port, free_port_range, wait_healthy
 from tests.test_cluster import MODEL, PROMPTS, Node, complete
-from xllm_py.cli import build_parser
+from xllm_py.cli import build_parser, check
 from xllm_py.cluster import cluster_pb2 as pb
 from xllm_py.cluster import cluster_pb2_grpc as pb_grpc
 from xllm_py.cluster.coordinator import Coordinator, serve_coordinator
-from xllm_py.cluster.layout import ClusterLayout
+from xllm_py.cluster.layout import ClusterLayout, options_from_args
 from xllm_py.cluster.ray_launch import node_argv
 from xllm_py.cluster.security import (
     SESSION_KEY,
@@ -175,7 +175,7 @@ def test_a_draining_worker_gives_up_on_a_silent_master(monkeypatch, worker_servi
     from xllm_py.cluster import worker_node
 
     monkeypatch.setattr(worker_node, "DRAIN_MARGIN_S", 0.0)
-    opts = cluster_args("--heartbeat_timeout=600").cluster_options()
+    opts = options_from_args(cluster_args("--heartbeat_timeout=600"))
     service, address = worker_service
     service.registered("session-of-the-master")
     service.draining, service.signals = True, 1
@@ -203,7 +203,7 @@ def cluster_args(*flags: str):
     args = build_parser().parse_args(
         ["--nnodes=2", "--node_rank=1", "--master_node_addr=127.0.0.1:1", *flags]
     )
-    args.check()
+    check(args)
     return args
 
 
@@ -217,7 +217,7 @@ def test_security_flags_errors_name_the_flag(tmp_path):
     missing = tmp_path / "no-such-token"
     args = cluster_args(f"--cluster_token_file={missing}")  # files are read at start-up
     with pytest.raises(ValueError, match=f"--cluster_token_file={missing}: cannot read it"):
-        args.cluster_options(read_secrets=True)
+        options_from_args(args, read_secrets=True)
     empty = tmp_path / "empty"
     empty.write_text("\n")
     with pytest.raises(ValueError, match="--cluster_token_file=.*: the token is empty"):

@@ -1,4 +1,4 @@
-"""The engine core in its own process (xllm_py/entrypoints/core_process.py), against the
+"""The engine core in its own process (xllm_py/engine/core_process.py), against the
 real daemon: answers come through the core process, and when the core dies mid-stream
 every client gets an error, /health answers 503 and the daemon exits non-zero."""
 
@@ -18,7 +18,7 @@ from tests.server_utils import Server
 def _core_pid(daemon_pid: int) -> int:
     children = Path(f"/proc/{daemon_pid}/task/{daemon_pid}/children").read_text().split()
     for pid in map(int, children):
-        if "core_process" in Path(f"/proc/{pid}/cmdline").read_text():
+        if "xllm_py.processes" in Path(f"/proc/{pid}/cmdline").read_text():
             return pid
     raise AssertionError(f"no engine core process among the daemon's children {children}")
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.server_utils import ROOT
-from xllm_py.cli import build_parser
+from xllm_py.cli import build_parser, check
 
 DEPLOY = ROOT / "deploy"
 # Values for the variables the files use (an env file, the LWS-injected ones, the pod IP).
@@ -41,7 +41,7 @@ ENTRY = ["/opt/xllm/.venv/bin/python", "-m", "xllm_py"]
 def accepted(flags: list[str]) -> object:
     """The daemon's own parsing and start-up checks (what `python -m xllm_py` runs first)."""
     args = build_parser().parse_args(flags)
-    args.check()
+    check(args)
     return args
 
 

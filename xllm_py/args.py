@@ -6,13 +6,17 @@ to (its heading in `xllm --help`), its check, and whether the offline `LLM(...)`
     EngineArgs field --build_parser()--> `xllm` flags, grouped by concern
                      --EngineArgs.for_offline(**kw)--> what LLM(**kw) takes
                      --.engine_config()--> EngineConfig (ModelConfig, CacheConfig, ...)
-                     --.cluster_options()--> ClusterOptions; entrypoints/serve.py: ServerOptions
+    and, read from these fields by the layers that use them: ClusterOptions
+    (cluster/layout.py), ProcessOptions (processes.py), ServerOptions (entrypoints/serve.py)
 
+This module only declares: it imports no runtime package (tests/test_layering.py).
 `check()` runs each field's own check and then the combinations that cannot run (one
-ValueError naming the flags; LLM runs only `check_fields()`). The frozen config
-dataclasses (config.py) still check their own invariants in `__post_init__` when
-`engine_config()` builds them; a field's check here is the front line, worded as the
-flag, for what must fail before anything loads (and for the options no config holds).
+ValueError naming the flags; LLM runs only `check_fields()`; a cluster node's layout and
+security flags are checked by cluster/layout.py's `check_args`, which `xllm` runs next).
+The frozen config dataclasses (config.py) still check their own invariants in
+`__post_init__` when `engine_config()` builds them; a field's check here is the front
+line, worded as the flag, for what must fail before anything loads (and for the options
+no config holds).
 
 Secrets (`--api_key`, `--cluster_token`) can also come from the environment, which is
 preferred: a command line is visible to every user of the host (`ps`). They are never
@@ -381,7 +385,7 @@ class EngineArgs:
 
     def check(self) -> None:
         """Every option, then every combination that cannot run (one line naming the
-        flags); the cluster's token and TLS files are only named here, read at start-up."""
+        flags)."""
         self.check_fields()
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError(
@@ -400,11 +404,6 @@ class EngineArgs:
             raise ValueError(
                 f"--nnodes={self.nnodes}: --master_node_addr=host:port of node 0 is required"
             )
-        if self.is_cluster:
-            from xllm_py.cluster.security import check_flags
-
-            self.cluster_options()  # the layout itself (divisibility, ep_size)
-            check_flags(*self._security_flags())
 
     # ---- what the options build -------------------------------------------------------------
 
@@ -422,8 +421,8 @@ class EngineArgs:
         return on_cpu and not self.is_cluster and self.weight_dtype not in ("fp8", "int4")
 
     def engine_config(self):
-        """The layered EngineConfig (each part checks itself); in a cluster, also checks the
-        model splits over the layout."""
+        """The layered EngineConfig (each part checks itself; a cluster checks that the
+        model splits over its layout when it starts)."""
         from xllm_py.assets import bundled_model
         from xllm_py.config import (
             CacheConfig,
@@ -460,8 +459,6 @@ class EngineArgs:
             ),
             spec=self._spec_config(),
         )
-        if self.nnodes > 1:
-            self.cluster_options().layout.check_model(config.model)
         return config
 
     def _spec_config(self):
@@ -477,32 +474,6 @@ class EngineArgs:
             token_map=self.speculative_token_map,
             draft_sampling=self.speculative_draft_sampling,
             confidence=_confidence(self.speculative_confidence),
-        )
-
-    def _security_flags(self) -> tuple:
-        return (
-            self.cluster_token,
-            self.cluster_token_file,
-            self.cluster_tls_cert,
-            self.cluster_tls_key,
-            self.cluster_tls_ca,
-        )
-
-    def cluster_options(self, read_secrets: bool = False):
-        """The cluster flags as ClusterOptions (ValueError naming the flag if inconsistent);
-        with `read_secrets`, also the token and TLS files (read now)."""
-        from xllm_py.cluster.layout import ClusterLayout, ClusterOptions
-        from xllm_py.cluster.security import INSECURE, load_security
-
-        return ClusterOptions(
-            ClusterLayout(self.nnodes, self.dp_size, self.ep_size, self.enable_dp_attention),
-            self.node_rank,
-            self.master_node_addr or "127.0.0.1:1",
-            self.cluster_timeout,
-            self.heartbeat_timeout,
-            self.step_timeout,
-            self.process_group_timeout,
-            load_security(*self._security_flags()) if read_secrets else INSECURE,
         )
 
     def secret(self, name: str) -> str | None:
@@ -533,25 +504,6 @@ class EngineArgs:
             else:
                 out.append(f"--{name}={show(value)}")
         return out
-
-    def apply_to_process(self, threads: bool) -> None:
-        """What these options set for the whole process, at its start-up: the fault hook,
-        the grammar cache's size and (`threads`) torch's CPU threads."""
-        from xllm_py import structured
-        from xllm_py.engine import faults
-
-        faults.configure(self.enable_test_hooks)
-        given = self.compile_cache_dir != _default(_FIELDS["compile_cache_dir"])
-        if given or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.expanduser(self.compile_cache_dir)
-        structured.set_cache_limit(self.grammar_cache_bytes)
-        if threads and self.devices.startswith("cpu"):
-            import torch
-
-            # one process: cores - 1 (the HTTP loop keeps one); nnodes on one machine: a share
-            cores = os.cpu_count() or 1
-            auto = max(1, cores // self.nnodes) if self.nnodes > 1 else max(1, cores - 1)
-            torch.set_num_threads(self.cpu_threads or auto)
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}

@@ -37,11 +37,13 @@ import sys
 
 from xllm_py.args import EngineArgs
 from xllm_py.args import build_parser as _build_parser
+from xllm_py.cluster.layout import check_args as check_cluster_args
 from xllm_py.entrypoints.serve import build_server, run
 from xllm_py.formats.reasoning import PARSERS as REASONING_PARSERS
 from xllm_py.formats.tool_parser import PARSERS as TOOL_CALL_PARSERS
+from xllm_py.processes import ProcessOptions
 
-__all__ = ["build_parser", "build_server", "main", "run"]
+__all__ = ["build_parser", "build_server", "check", "main", "run"]
 
 
 def build_parser():
@@ -54,13 +56,23 @@ def build_parser():
     )
 
 
+def check(a: EngineArgs) -> None:
+    """Every check the flags get before anything starts (ValueError naming the flag)."""
+    a.check()
+    if a.is_cluster:
+        check_cluster_args(a)
+
+
 def run_worker(a: EngineArgs) -> int:
     """Nodes 1..N-1: a worker only (no HTTP)."""
+    from xllm_py.cluster.layout import options_from_args
     from xllm_py.cluster.worker_node import run_worker_node
 
-    a.apply_to_process(threads=True)
-    opts = a.cluster_options(read_secrets=True)
-    return run_worker_node(opts, a.engine_config(), a.host, a.port, a.shutdown_timeout)
+    ProcessOptions.from_args(a, threads=True).apply()
+    opts = options_from_args(a, read_secrets=True)
+    config = a.engine_config()
+    opts.layout.check_model(config.model)
+    return run_worker_node(opts, config, a.host, a.port, a.shutdown_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from xllm_py.cluster.grpc_executor import WorkerFailedError
 
     try:
-        args.check()
+        check(args)
         if args.launcher == "ray":
             from xllm_py.cluster.ray_launch import launch
 

@@ -216,3 +216,43 @@ def abort_process_groups() -> None:
 
     if dist.is_initialized():
         _abort_process_group()
+
+
+# ---- from the flags -------------------------------------------------------------------------
+
+
+def options_from_args(a, read_secrets: bool = False) -> ClusterOptions:
+    """The cluster flags of EngineArgs `a` as ClusterOptions (ValueError naming the flag if
+    inconsistent); with `read_secrets`, also the token and TLS files (read now)."""
+    from xllm_py.cluster.security import load_security
+
+    return ClusterOptions(
+        ClusterLayout(a.nnodes, a.dp_size, a.ep_size, a.enable_dp_attention),
+        a.node_rank,
+        a.master_node_addr or "127.0.0.1:1",
+        a.cluster_timeout,
+        a.heartbeat_timeout,
+        a.step_timeout,
+        a.process_group_timeout,
+        load_security(*security_flags(a)) if read_secrets else INSECURE,
+    )
+
+
+def security_flags(a) -> tuple:
+    return (
+        a.cluster_token,
+        a.cluster_token_file,
+        a.cluster_tls_cert,
+        a.cluster_tls_key,
+        a.cluster_tls_ca,
+    )
+
+
+def check_args(a) -> None:
+    """The cluster flags of a cluster's node (EngineArgs.is_cluster): the layout itself
+    (divisibility, ep_size) and the token and TLS flags, named only (their files are read
+    at start-up); ValueError naming the flag."""
+    from xllm_py.cluster.security import check_flags
+
+    options_from_args(a)
+    check_flags(*security_flags(a))

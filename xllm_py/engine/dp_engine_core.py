@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from xllm_py.config import EngineConfig
+from xllm_py.engine.core_client import EngineCoreClient
 from xllm_py.engine.engine_core import EngineCore
 from xllm_py.engine.scheduler import EngineCoreOutput, SchedulerStats
 from xllm_py.executor.base import Executor
@@ -38,7 +39,7 @@ class ReplicaFailedError(RuntimeError):
     """A replica's worker died or stopped answering."""
 
 
-class DataParallelEngineCore:
+class DataParallelEngineCore(EngineCoreClient):
     def __init__(
         self,
         config: EngineConfig,

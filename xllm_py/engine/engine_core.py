@@ -13,6 +13,7 @@ import time
 
 from xllm_py.cache.block_manager import BlockManager, blocks_for
 from xllm_py.config import EngineConfig
+from xllm_py.engine.core_client import EngineCoreClient
 from xllm_py.engine.request import Request
 from xllm_py.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from xllm_py.executor.base import Executor
@@ -31,7 +32,7 @@ def local_executor(config: EngineConfig) -> InProcExecutor:
     return InProcExecutor(Worker(config), config.device.seed)
 
 
-class EngineCore:
+class EngineCore(EngineCoreClient):
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         if executor is None:
             executor = local_executor(config)

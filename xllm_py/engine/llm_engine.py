@@ -16,6 +16,7 @@ from typing import Any
 
 from xllm_py.config import EngineConfig
 from xllm_py.engine import faults
+from xllm_py.engine.core_client import EngineCoreClient
 from xllm_py.engine.engine_core import EngineCore
 from xllm_py.engine.output_processor import RequestState
 from xllm_py.engine.outputs import RequestOutput
@@ -28,9 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
-        """core: the engine core to drive (e.g. a DataParallelEngineCore); default: one
-        EngineCore with an in-process worker."""
+    def __init__(self, config: EngineConfig, core: EngineCoreClient | None = None) -> None:
+        """core: the engine core to drive (engine/core_client.py: a DataParallelEngineCore,
+        a CoreProcessClient); default: one EngineCore with an in-process worker."""
         self.config = config
         self.tokenizer = Tokenizer.from_dir(config.model.path)
         self.core = core if core is not None else EngineCore(config)

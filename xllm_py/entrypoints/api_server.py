@@ -36,10 +36,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from xllm_py import __version__
+from xllm_py.engine.engine_client import EngineClient
 from xllm_py.entrypoints import messages, messages_request, responses
 from xllm_py.entrypoints.chat import serve_chat
 from xllm_py.entrypoints.completions import serve_completion
-from xllm_py.entrypoints.engine_client import EngineClient
 from xllm_py.entrypoints.openai_protocol import (
     APIError,
     ChatCompletionRequest,

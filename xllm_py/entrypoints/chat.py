@@ -13,8 +13,8 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from xllm_py.engine.engine_client import Update
 from xllm_py.entrypoints.choice_output import Choice, ChoiceOutput, Formatter
-from xllm_py.entrypoints.engine_client import Update
 from xllm_py.entrypoints.openai_protocol import ChatCompletionRequest
 from xllm_py.entrypoints.serving import Answer, OpenAIServer
 from xllm_py.formats import reasoning, tool_parser

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xllm_py.engine.engine_client import Update
 from xllm_py.engine.tokenizer import Tokenizer
-from xllm_py.entrypoints.engine_client import Update
 from xllm_py.sampling_params import SamplingParams
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from xllm_py.engine.engine_client import Update
 from xllm_py.entrypoints.choice_output import Choice, ChoiceOutput, Formatter
-from xllm_py.entrypoints.engine_client import Update
 from xllm_py.entrypoints.openai_protocol import CompletionRequest
 from xllm_py.entrypoints.serving import Answer, OpenAIServer
 

@@ -17,6 +17,7 @@ from xllm_py.args import EngineArgs
 from xllm_py.config import EngineConfig
 from xllm_py.engine.llm_engine import LLMEngine, Prompt
 from xllm_py.engine.outputs import RequestOutput
+from xllm_py.processes import ProcessOptions
 from xllm_py.sampling_params import SamplingParams
 
 
@@ -36,7 +37,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **options) -> None:
         args = EngineArgs.for_offline(model=model, **options)
-        args.apply_to_process(threads=False)
+        ProcessOptions.from_args(args, threads=False).apply()
         self.engine = LLMEngine(args.engine_config())
         self._ids = itertools.count()
 

@@ -35,8 +35,8 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from xllm_py.engine.engine_client import EngineDeadError, RequestAbortedError, Update
 from xllm_py.entrypoints.chat import ChatChoice, chat_outputs
-from xllm_py.entrypoints.engine_client import EngineDeadError, RequestAbortedError, Update
 from xllm_py.entrypoints.messages_request import (
     AnthropicError,
     CountTokensRequest,

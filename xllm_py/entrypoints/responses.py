@@ -38,8 +38,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from xllm_py.engine.engine_client import EngineDeadError, RequestAbortedError
 from xllm_py.entrypoints.chat import chat_outputs
-from xllm_py.entrypoints.engine_client import EngineDeadError, RequestAbortedError
 from xllm_py.entrypoints.openai_protocol import (
     APIError,
 )

@@ -3,9 +3,10 @@ uvicorn, drain on SIGTERM, exit with a status that says how it ended.
 
     EngineArgs --build_server--> (DrainingServer, AsyncEngine) --run--> exit code
 
-`build_server` applies the process-wide options (threads, fault hook, grammar cache),
-builds the EngineConfig and, on the master of a cluster, waits for every worker before
-the app exists. `run` serves until SIGTERM/SIGINT, `server.should_exit` or an engine
+`build_server` applies the process-wide options (processes.py: threads, fault hook,
+grammar cache), builds the EngineConfig and the engine core (in this process or its own,
+processes.py) and, on the master of a cluster, waits for every worker before the app
+exists. `run` serves until SIGTERM/SIGINT, `server.should_exit` or an engine
 failure, then shuts the engine (and a cluster's workers) down.
 """
 
@@ -20,6 +21,7 @@ import time
 import uvicorn
 
 from xllm_py.args import EngineArgs
+from xllm_py.processes import ProcessOptions, build_core, cluster_options, start_core_process
 
 FAILURE_EXIT_DELAY_S = 2.0  # /health answers 503 this long after an engine failure
 SHUTDOWN_FLUSH_S = 5.0  # after the drain: time for the last responses (and aborts) to go out
@@ -93,22 +95,6 @@ class DrainingServer(uvicorn.Server):
         threading.Timer(FAILURE_EXIT_DELAY_S, lambda: setattr(self, "should_exit", True)).start()
 
 
-def build_core(a: EngineArgs, config, on_worker_drain=lambda why: None):
-    """The engine core: None (LLMEngine builds a one-node core), or on the master of a
-    cluster, the data-parallel core once every worker has registered and loaded.
-    on_worker_drain(why): a worker got SIGTERM (called from the health monitor's thread)."""
-    if a.nnodes == 1:
-        return None
-    from xllm_py.cluster.master import Cluster
-
-    cluster = Cluster(a.cluster_options(read_secrets=True), config, on_worker_drain)
-    try:
-        return cluster.start()
-    except BaseException as e:
-        cluster.shutdown(f"the master failed to start: {e}", failure=True)
-        raise
-
-
 def server_options(a: EngineArgs, served_model_name: str):
     """The HTTP server's options: ServerOptions' fields are EngineArgs' of the same names
     (the API key from --api_key or XLLM_API_KEY; usage.speculative only with MTP on)."""
@@ -127,22 +113,20 @@ def server_options(a: EngineArgs, served_model_name: str):
 def build_server(a: EngineArgs) -> tuple[DrainingServer, object]:
     """The daemon, not yet running: (uvicorn server, AsyncEngine). `run` starts it; setting
     `server.should_exit` stops it as SIGTERM would."""
+    from xllm_py.engine.async_engine import AsyncEngine
     from xllm_py.engine.llm_engine import LLMEngine
     from xllm_py.entrypoints.api_server import build_app
-    from xllm_py.entrypoints.async_engine import AsyncEngine
     from xllm_py.entrypoints.server_metrics import ServerMetrics
 
-    a.apply_to_process(threads=not a.engine_core_process)
+    ProcessOptions.from_args(a, threads=not a.engine_core_process).apply()
     config = a.engine_config()
     model = config.model.path
     name = a.served_model_name or os.path.basename(os.path.normpath(str(model)))
     worker_drains: list[str] = []
     if a.engine_core_process:
-        from xllm_py.entrypoints.core_process import CoreProcessClient
-
-        core = CoreProcessClient(a.node_argv(), a.secret_env(), config, worker_drains.append)
+        core = start_core_process(a, config, worker_drains.append)
     else:
-        core = build_core(a, config, worker_drains.append)
+        core = build_core(config, cluster_options(a, config), worker_drains.append)
     engine = AsyncEngine(LLMEngine(config, core))
     metrics = ServerMetrics(name)
     metrics.attach(engine)

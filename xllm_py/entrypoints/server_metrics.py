@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from xllm_py.entrypoints.async_engine import AsyncEngine, EngineEvents, RequestRecord
+from xllm_py.engine.async_engine import AsyncEngine, EngineEvents, RequestRecord
 from xllm_py.speculative.metrics import ACCEPTANCE_BUCKETS, SpecDecodeStats
 from xllm_py.structured import GrammarCacheCollector
 

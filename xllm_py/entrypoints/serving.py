@@ -33,14 +33,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from xllm_py.entrypoints.choice_output import Choice, ChoiceOutput, Formatter
-from xllm_py.entrypoints.engine_client import (
+from xllm_py.engine.engine_client import (
     EngineClient,
     EngineDeadError,
     RequestAbortedError,
     RequestFailedError,
     Update,
 )
+from xllm_py.entrypoints.choice_output import Choice, ChoiceOutput, Formatter
 from xllm_py.entrypoints.openai_protocol import (
     APIError,
     ChatCompletionRequest,

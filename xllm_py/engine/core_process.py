@@ -3,6 +3,8 @@ typed messages over two pipes.
 
     HTTP process (LLMEngine over CoreProcessClient)       core process (`run_core`)
     -----------------------------------------------       ---------------------------------
+    the config, built once: Boot  ───────────────────>   processes.py's core_main builds the
+                                                         core it describes (no command line)
     tokenize, validate, RequestState (detokenise)
     add_request / finish_request -> outbox ─ sender ──>  Add / Abort: admitted between steps
                                                          EngineCore.step() (scheduler,
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -42,6 +43,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
+from xllm_py.engine.core_client import EngineCoreClient
 from xllm_py.engine.engine_core import validate_request
 from xllm_py.engine.scheduler import EngineCoreOutput, SchedulerStats
 from xllm_py.sampling_params import SamplingParams
@@ -51,7 +53,6 @@ MAX_PENDING_STEPS = 256  # unread Steps the HTTP side holds before the core wait
 FDS_ENV = "XLLM_CORE_FDS"  # "<read fd>,<write fd>": the core's ends of the two pipes
 IDLE_WAIT_S = 0.05  # an idle core looks for work this often
 STOP_WAIT_S = 30.0  # a core told to shut down gets this long, then it is killed
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s (engine core): %(message)s"
 
 
 # ---- the messages -------------------------------------------------------------------------
@@ -113,6 +114,11 @@ class _Channel:
         with self.lock:
             self.tx.send_bytes(data)
 
+    def recv_first(self, kind):
+        """The first message, of the type the two sides agreed on at spawn (the boot
+        message, whose type the engine does not know)."""
+        return msgspec.msgpack.decode(self.rx.recv_bytes(), type=kind)
+
     def recv(self, timeout: float | None = None):
         """The next message; None if none came within `timeout`. EOFError: the other side
         is gone."""
@@ -165,36 +171,18 @@ def run_core(core, channel: _Channel) -> int:
         channel.send(Step(t0, outs, new, core.stats()))
 
 
-def core_main() -> int:
-    """`python -m xllm_py.entrypoints.core_process <engine flags>`, started by
-    CoreProcessClient: build the engine core the flags describe, then serve it."""
-    from xllm_py.args import build_parser
-    from xllm_py.engine.engine_core import EngineCore
-    from xllm_py.entrypoints.serve import build_core
-
-    # The HTTP process owns the lifetime: a terminal's Ctrl-C or a SIGTERM to the process
-    # group drains there, and the core exits when told to (or when its pipe closes).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def child_channel() -> _Channel:
+    """The core process's end of the pipes its parent opened (their fds in FDS_ENV)."""
     read_fd, write_fd = map(int, os.environ.pop(FDS_ENV).split(","))
-    channel = _Channel(read_fd, write_fd, ToCore)
-    a = build_parser().parse_args(sys.argv[1:])
-    logging.basicConfig(level=a.log_level.upper(), format=LOG_FORMAT)
-    a.apply_to_process(threads=True)
-    config = a.engine_config()
+    return _Channel(read_fd, write_fd, ToCore)
+
+
+def report_failure(channel: _Channel, error: BaseException) -> None:
+    """Tell the HTTP process why the core could not start (if it is still there)."""
     try:
-        core = build_core(a, config, lambda why: channel.send(WorkerDrain(why)))
-        core = core or EngineCore(config)
-        return run_core(core, channel)
-    except EOFError:
-        return 0  # the HTTP process is gone
-    except BaseException as e:  # noqa: BLE001 - reported to the HTTP process, then exit 1
-        logger.exception("engine core failed to start")
-        try:
-            channel.send(Failed(f"{type(e).__name__}: {e}"))
-        except OSError:
-            pass  # the HTTP process is gone too
-        return 1
+        channel.send(Failed(f"{type(error).__name__}: {error}"))
+    except OSError:
+        pass  # the HTTP process is gone too
 
 
 # ---- the HTTP process's side --------------------------------------------------------------
@@ -204,13 +192,14 @@ class CoreDeadError(RuntimeError):
     """The engine core process failed or exited."""
 
 
-class CoreProcessClient:
+class CoreProcessClient(EngineCoreClient):
     """The EngineCore interface LLMEngine drives, served by a child process. `step()`
     returns the outputs of every Step received since the last call (possibly none): the
     core steps on its own and never waits for the HTTP side to ask."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], config, on_worker_drain) -> None:
-        """Start the core (`argv`: its engine flags) and wait until its model is loaded."""
+    def __init__(self, module: str, boot: bytes, config, on_worker_drain) -> None:
+        """Start the core (`python -m module`, whose first message to read is `boot`:
+        processes.py's Boot, encoded) and wait until its model is loaded."""
         self.config = config
         self.on_worker_drain = on_worker_drain
         self.wake = threading.Event()  # set on every message: AsyncEngine's loop waits on it
@@ -221,7 +210,8 @@ class CoreProcessClient:
         self._live: set[str] = set()  # added and not yet finished, as this side knows
         self._started: set[str] = set()
         self.dead: str | None = None
-        self.proc, self.channel = _spawn(argv, env)
+        self.proc, self.channel = _spawn(module)
+        self.channel.tx.send_bytes(boot)
         first = self._first_message()
         self.num_blocks, self._stats = first.num_blocks, first.stats
         for target, name in ((self._receive, "xllm-core-rx"), (self._send, "xllm-core-tx")):
@@ -346,20 +336,16 @@ class CoreProcessClient:
         self.wake.set()
 
 
-def _spawn(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, _Channel]:
+def _spawn(module: str) -> tuple[subprocess.Popen, _Channel]:
     """The core process, with its ends of two fresh pipes (inherited by fd number)."""
     to_core_r, to_core_w = os.pipe()
     from_core_r, from_core_w = os.pipe()
-    child_env = {**os.environ, **env, FDS_ENV: f"{to_core_r},{from_core_w}"}
+    child_env = {**os.environ, FDS_ENV: f"{to_core_r},{from_core_w}"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "xllm_py.entrypoints.core_process", *argv],
+        [sys.executable, "-m", module],
         env=child_env,
         pass_fds=(to_core_r, from_core_w),
     )
     os.close(to_core_r)
     os.close(from_core_w)
     return proc, _Channel(from_core_r, to_core_w, FromCore)
-
-
-if __name__ == "__main__":
-    sys.exit(core_main())

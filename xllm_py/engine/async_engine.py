@@ -30,16 +30,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from xllm_py.config import ModelConfig
-from xllm_py.engine.llm_engine import LLMEngine
-from xllm_py.engine.outputs import CompletionOutput, RequestOutput
-from xllm_py.engine.scheduler import SchedulerStats
-from xllm_py.engine.tokenizer import Tokenizer
-from xllm_py.entrypoints.engine_client import (
+from xllm_py.engine.engine_client import (
     EngineDeadError,
     RequestAbortedError,
     RequestFailedError,
     Update,
 )
+from xllm_py.engine.llm_engine import LLMEngine
+from xllm_py.engine.outputs import CompletionOutput, RequestOutput
+from xllm_py.engine.scheduler import SchedulerStats
+from xllm_py.engine.tokenizer import Tokenizer
 from xllm_py.sampling_params import SamplingParams
 
 __all__ = [
@@ -218,8 +218,8 @@ class AsyncEngine:
         self._aborts: deque[tuple[str, RequestRecord]] = deque()
         self._streams: dict[str, _Stream] = {}
         # The engine core in its own process (core_process.py) sets this event when a
-        # step's outputs arrive; one in this process runs a step whenever asked.
-        self._remote = getattr(engine.core, "wake", None)
+        # step's outputs arrive; one in this process runs a step whenever asked (None).
+        self._remote = engine.core.wake
         self._wake = self._remote or threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="xllm-engine", daemon=True)
@@ -339,7 +339,7 @@ class AsyncEngine:
     def _core_ready(self) -> bool:
         """A step's outputs can be had now: always from a core in this process (it runs
         the step), from a core process once one arrived."""
-        return self._remote is None or self.engine.core.ready_to_step()
+        return self.engine.core.ready_to_step()
 
     def _admit(self) -> None:
         with self._lock:

@@ -1,0 +1,150 @@
+"""What the processes `xllm` starts set up, and the engine core process's entry point.
+
+    ProcessOptions   process-wide state from the flags, applied once at a process's start:
+                     the fault hook, the compiled-grammar cache's size, Inductor's cache
+                     folder and torch's CPU threads (the daemon, a cluster worker node, the
+                     engine core process, the offline LLM)
+    build_core       the engine core a daemon drives: None (LLMEngine builds a one-node
+                     core), or on the master of a cluster the data-parallel core, once every
+                     worker has registered and loaded
+    Boot / core_main the engine core process (engine/core_process.py): the parent builds the
+                     frozen EngineConfig, the process options and the cluster options once and
+                     sends them as one typed msgspec message, the first on the pipe; the child
+                     parses no command line and builds nothing twice
+
+This module sits above engine/ and cluster/ (a cluster's core needs both), below cli.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import msgspec
+
+from xllm_py.args import EngineArgs
+from xllm_py.cluster.layout import ClusterOptions
+from xllm_py.config import EngineConfig
+from xllm_py.engine import core_process
+
+logger = logging.getLogger("xllm")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s (engine core): %(message)s"
+
+
+@dataclass(frozen=True)
+class ProcessOptions:
+    """Process-wide state (EngineArgs' fields of the same names, resolved)."""
+
+    enable_test_hooks: bool = False
+    grammar_cache_bytes: int = 256 << 20
+    compile_cache_dir: str | None = None  # TORCHINDUCTOR_CACHE_DIR to set (None: keep)
+    cpu_threads: int = 0  # torch's CPU threads to set (0: leave them)
+
+    @classmethod
+    def from_args(cls, a: EngineArgs, threads: bool) -> ProcessOptions:
+        """`threads`: this process runs the model on CPU and sets torch's threads (one
+        process: the cores less one, which the HTTP loop keeps; nnodes on one machine: a
+        share each; --cpu_threads wins)."""
+        given = a.compile_cache_dir != EngineArgs.compile_cache_dir
+        cache = None
+        if given or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            cache = os.path.expanduser(a.compile_cache_dir)
+        cpu_threads = 0
+        if threads and a.devices.startswith("cpu"):
+            cores = os.cpu_count() or 1
+            auto = max(1, cores // a.nnodes) if a.nnodes > 1 else max(1, cores - 1)
+            cpu_threads = a.cpu_threads or auto
+        return cls(a.enable_test_hooks, a.grammar_cache_bytes, cache, cpu_threads)
+
+    def apply(self) -> None:
+        from xllm_py import structured
+        from xllm_py.engine import faults
+
+        faults.configure(self.enable_test_hooks)
+        if self.compile_cache_dir is not None:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.compile_cache_dir
+        structured.set_cache_limit(self.grammar_cache_bytes)
+        if self.cpu_threads:
+            import torch
+
+            torch.set_num_threads(self.cpu_threads)
+
+
+def cluster_options(a: EngineArgs, config: EngineConfig) -> ClusterOptions | None:
+    """The master's cluster options, token and TLS files read now (None: one node); the
+    model must split over the layout (ValueError naming the numbers)."""
+    if a.nnodes == 1:
+        return None
+    from xllm_py.cluster.layout import options_from_args
+
+    options = options_from_args(a, read_secrets=True)
+    options.layout.check_model(config.model)
+    return options
+
+
+def build_core(config: EngineConfig, cluster: ClusterOptions | None, on_worker_drain):
+    """The engine core: None (LLMEngine builds a one-node core), or on the master of a
+    cluster, the data-parallel core once every worker has registered and loaded.
+    on_worker_drain(why): a worker got SIGTERM (called from the health monitor's thread)."""
+    if cluster is None:
+        return None
+    from xllm_py.cluster.master import Cluster
+
+    master = Cluster(cluster, config, on_worker_drain)
+    try:
+        return master.start()
+    except BaseException as e:
+        master.shutdown(f"the master failed to start: {e}", failure=True)
+        raise
+
+
+class Boot(msgspec.Struct):
+    """The engine core process's whole configuration, built once in the parent."""
+
+    config: EngineConfig
+    process: ProcessOptions
+    cluster: ClusterOptions | None
+    log_level: str
+
+
+def boot_for(a: EngineArgs, config: EngineConfig) -> Boot:
+    process = ProcessOptions.from_args(a, threads=True)
+    return Boot(config, process, cluster_options(a, config), a.log_level)
+
+
+def start_core_process(a: EngineArgs, config: EngineConfig, on_worker_drain):
+    """The engine core in a child process (`python -m xllm_py.processes`), loaded."""
+    boot = msgspec.msgpack.encode(boot_for(a, config))
+    return core_process.CoreProcessClient(__name__, boot, config, on_worker_drain)
+
+
+def core_main() -> int:
+    """The engine core process: read Boot from the pipe, build the core it describes,
+    serve it (engine/core_process.py's run_core)."""
+    from xllm_py.engine.engine_core import EngineCore
+
+    # The HTTP process owns the lifetime: a terminal's Ctrl-C or a SIGTERM to the process
+    # group drains there, and the core exits when told to (or when its pipe closes).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    channel = core_process.child_channel()
+    try:
+        boot = channel.recv_first(Boot)
+        logging.basicConfig(level=boot.log_level.upper(), format=LOG_FORMAT)
+        boot.process.apply()
+        drain = lambda why: channel.send(core_process.WorkerDrain(why))  # noqa: E731
+        core = build_core(boot.config, boot.cluster, drain) or EngineCore(boot.config)
+        return core_process.run_core(core, channel)
+    except EOFError:
+        return 0  # the HTTP process is gone
+    except BaseException as e:  # noqa: BLE001 - reported to the HTTP process, then exit 1
+        logger.exception("engine core failed to start")
+        core_process.report_failure(channel, e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(core_main())
