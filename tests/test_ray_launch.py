@@ -1,7 +1,12 @@
 """`xllm --launcher=ray`: a 2-node tensor-parallel cluster placed on a real Ray instance
 (a head started with the `ray` CLI, as an operator's cluster would be), serving held-out
 prompts exactly as one node does with the API key it was given kept off every node's
-command line, and leaving nothing behind when a node's actor dies."""
+command line, and leaving nothing behind when a node's actor dies.
+
+Ray's state is this module's own (`ray_state`): HOME is a folder of its own that holds a
+stale ~/.ray/auth_token, as an earlier `xllm --launcher=ray` on Ray 2.60 left one, and
+the tests pass in spite of it and leave it as it was; Ray's temporary folder is its own
+too, so nothing is read from or written to the user's home or /tmp/ray."""
 
 from __future__ import annotations
 
@@ -9,9 +14,11 @@ import concurrent.futures
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -30,30 +37,80 @@ NUM_PROMPTS = 16
 FLAGS = ["--dtype=float32", "--nnodes=2", "--max_cache_size=16000000", "--heartbeat_timeout=3"]
 
 
-def ray_cli(*words: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "ray"), *words],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+STALE_TOKEN = "stale-token-of-an-earlier-launch"  # what the cluster must not use
+
+
+def reload_ray_auth() -> None:
+    """This process's Ray read RAY_AUTH_MODE when it was imported (during collection): it
+    reads it again, and its token afresh, as ray.init does when it turns token auth on."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_state(tmp_path_factory):
+    """Every process of this module (the `ray` CLI, the launchers, this one) gets a HOME
+    of its own holding a stale .ray/auth_token, and Ray's temporary folder of its own
+    (RAY_TMPDIR; short: a socket's path has at most 107 bytes), which also holds the
+    compile cache. Ray 2.60 turns token auth on for a head started where
+    ~/.ray/auth_token exists, with that token, but a client given an address never reads
+    it: clients are refused (InvalidAuthToken). So token auth is set explicitly, with a
+    token of this module's (RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH), which Ray then reads
+    instead of ~/.ray/auth_token. Afterwards no process of this module's Ray is left and
+    the fake home is exactly as it was: the stale token unchanged, nothing added."""
+    home = tmp_path_factory.mktemp("home")
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text(STALE_TOKEN)
+    token = tmp_path_factory.mktemp("ray_auth") / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    temp = tempfile.mkdtemp(prefix="xllm-ray-")
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("HOME", str(home))
+            env.setenv("RAY_TMPDIR", temp)
+            env.setenv("RAY_AUTH_MODE", "token")
+            env.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+            env.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(temp, "inductor"))  # not ~/.cache
+            for name in ("RAY_AUTH_TOKEN", "RAY_ADDRESS"):
+                env.delenv(name, raising=False)
+            reload_ray_auth()
+            yield temp
+        reload_ray_auth()
+        assert not ray_processes_left(temp)
+        assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == [
+            ".ray",
+            ".ray/auth_token",
+        ]
+        assert (home / ".ray" / "auth_token").read_text() == STALE_TOKEN
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def ray_head():
-    """A Ray head on this machine (4 logical CPUs: two 1-CPU bundles fit on 2 cores)."""
+def ray_head(ray_state):
+    """A Ray head on this machine (4 logical CPUs: two 1-CPU bundles fit on 2 cores),
+    stopped by its own `ray start --block`, so no other Ray instance on the host is."""
     port = free_port()
-    started = ray_cli(
-        "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false"
-    )
-    assert started.returncode == 0, started.stdout + started.stderr
-    address = f"127.0.0.1:{port}"
+    ray_exe = os.path.join(os.path.dirname(sys.executable), "ray")
+    flags = [f"--port={port}", "--num-cpus=4", "--include-dashboard=false", "--block"]
+    log = open(os.path.join(ray_state, "head.log"), "w+")  # noqa: SIM115
+    head = subprocess.Popen([ray_exe, "start", "--head", *flags], stdout=log, stderr=log)
+    address_file = os.path.join(ray_state, "ray", "ray_current_cluster")  # once it is up
+    deadline = time.monotonic() + 120
     try:
-        yield address
+        while not os.path.exists(address_file) and time.monotonic() < deadline:
+            assert head.poll() is None, open(log.name).read()
+            time.sleep(0.5)
+        assert os.path.exists(address_file), open(log.name).read()
+        yield f"127.0.0.1:{port}"
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        ray_cli("stop", "--force")
+        head.terminate()  # its processes, and the workers of its raylet, are stopped
+        head.wait(120)
+        log.close()
 
 
 class Launch:
@@ -125,6 +182,36 @@ def command_lines_containing(text: str) -> dict[int, str]:
     return found
 
 
+def processes_of_this_ray(temp: str | None = None) -> dict[int, str]:
+    """pid -> command line of every process started with this module's Ray folder (its
+    RAY_TMPDIR, `temp`, in the environment it started with): the `ray` CLI, Ray's own
+    processes and workers, the launchers and their nodes; not another test run's."""
+    mark = f"RAY_TMPDIR={temp or os.environ['RAY_TMPDIR']}".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found[int(entry)] = f.read().decode("utf-8", "replace").replace("\0", " ")
+        except OSError:  # gone, or another user's
+            continue
+    return found
+
+
+def ray_processes_left(temp: str) -> dict[int, str]:
+    """The processes of this module's Ray still alive after 30 s, then killed."""
+    deadline = time.monotonic() + 30
+    while (left := processes_of_this_ray(temp)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
 def complete(url: str, prompt: str, api_key: str) -> str:
     r = httpx.post(
         url + "/v1/completions",
@@ -137,8 +224,9 @@ def complete(url: str, prompt: str, api_key: str) -> str:
 
 
 def our_node_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "xllm_py" in line and "--node_rank=" in line]
+    """This module's node processes still running (another test run's are not ours)."""
+    found = processes_of_this_ray().values()
+    return [cmd for cmd in found if "xllm_py" in cmd and "--node_rank=" in cmd]
 
 
 def test_each_node_gets_its_rank_device_and_bundle():
@@ -176,6 +264,25 @@ def test_node_command_lines_carry_no_secret(tmp_path):
     assert node_env(args, 0, "t0k")["XLLM_API_KEY"] == "k3y"  # only the HTTP server's
     assert "XLLM_API_KEY" not in node_env(args, 1, "t0k")
     assert node_env(args, 1, "t0k")["XLLM_CLUSTER_TOKEN"] == "t0k"
+
+
+def test_a_local_ray_instance_writes_no_token_into_home(tmp_path):
+    """The launcher's own Ray instance (--ray_address=local, or auto with no cluster here)
+    has token auth with a token of the launch: left to itself, Ray 2.60 writes a new
+    ~/.ray/auth_token, which every later `ray start --head` on the host enforces."""
+    code = (
+        "import os, ray\n"
+        "from xllm_py.cluster.ray_launch import _connect\n"
+        "assert _connect('local', 1, 1)\n"
+        "print(ray.get(ray.remote(lambda: os.environ['RAY_AUTH_MODE']).remote()))\n"
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["HOME"] = str(tmp_path)  # an empty one: Ray would write its token there
+    cmd = [sys.executable, "-c", code]
+    run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0 and run.stdout.split()[-1] == "token", run.stdout + run.stderr
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,13 @@
 What scripts/launch_cluster.sh does with shells and SSH, done with Ray:
 
 1. Connect to `--ray_address` ("auto": the cluster this host belongs to, else a local
-   one started here and stopped on exit; or host:port).
+   one started here and stopped on exit; or host:port). A local instance gets a token
+   of this launch for Ray's token authentication (RAY_AUTH_TOKEN, in the environment of
+   its processes only) unless the user gave one (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH):
+   left to itself, Ray >= 2.60 writes a new ~/.ray/auth_token there, which every later
+   `ray start --head` on the host then enforces, refusing clients that were given an
+   address (InvalidAuthToken) unless they set RAY_AUTH_MODE=token. What is left on the
+   host is the instance's session folder (/tmp/ray/session_*, its logs).
 2. One placement group with a bundle per node: {"GPU": 1} on cuda, {"NPU": 1} on npu,
    {"CPU": --ray_cpus_per_node} on cpu. Bundle 0 also asks for a sliver of this host's
    `node:<ip>` resource, so node 0 (the master, with the HTTP API) runs where the
@@ -53,6 +59,11 @@ logger = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 10.0  # after the master is gone, how long workers get to exit on their own
 RAY_NAMESPACE = "xllm"  # actors are named xllm-node-<rank>-<launcher pid> in it
+RAY_TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")  # besides ~/.ray/auth_token
+RAY_AUTH_HINT = (  # what Ray says when a cluster refuses a client without its token
+    "if the cluster uses token authentication, set RAY_AUTH_MODE=token and give its token "
+    "in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token"
+)
 
 
 def _die_with_parent_thread() -> None:  # runs in the child between fork and exec
@@ -185,7 +196,8 @@ def bundles(args, driver_ip: str) -> list[dict[str, float]]:
 
 def _connect(address: str, nnodes: int, cpus_per_node: int):
     """ray.init: the cluster at `address` ("auto": this host's, if any), else a local one
-    with room for every CPU bundle. Returns whether a local cluster was started here."""
+    with room for every CPU bundle and, unless the user gave one, a token of its own
+    (none written to ~/.ray). Returns whether a local cluster was started here."""
     import ray
 
     kw = dict(
@@ -198,9 +210,11 @@ def _connect(address: str, nnodes: int, cpus_per_node: int):
         try:
             ray.init(address=address, **kw)
             return False
-        except ConnectionError:
+        except ConnectionError as e:
             if address != "auto":
-                raise
+                raise ConnectionError(f"{e} ({RAY_AUTH_HINT})") from e
+    if not any(os.environ.get(v) for v in RAY_TOKEN_SOURCES):  # see the module's docstring
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     cpus = max(os.cpu_count() or 1, nnodes * cpus_per_node)
     ray.init(num_cpus=cpus, **kw)
     logger.info("started a local Ray instance (%d CPUs)", cpus)
