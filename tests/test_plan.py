@@ -29,9 +29,15 @@ def replica(tmp_path_factory):
     return make_header_checkpoint(tmp_path_factory.mktemp("deepseek-v3-headers"))
 
 
+def _plan(*args, **kw):
+    """make_plan with the MTP layer loaded unless a test says otherwise (the figures of
+    docs/memory_plan.md are with k = 1; the flag's default is the engine's, 0)."""
+    return make_plan(*args, **{"num_speculative_tokens": 1, **kw})
+
+
 @pytest.fixture(scope="module")
 def plan16(replica):
-    return make_plan(replica, 16, tp=16, ep=16, device_memory_gb=64)
+    return _plan(replica, 16, tp=16, ep=16, device_memory_gb=64)
 
 
 def _headers(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -95,7 +101,7 @@ def test_other_family_replicas_match_their_published_counts(family, tmp_path):
     BF16, no q-LoRA where it has none, no routing bias outside noaux_tc) loads into the
     engine's meta model, shape-checked, and its totals are the model card's."""
     path = make_header_checkpoint(tmp_path, shards=4, config=family_config(family))
-    plan = make_plan(path, 8, tp=8, ep=8, device_memory_gb=141, num_speculative_tokens=0)
+    plan = _plan(path, 8, tp=8, ep=8, device_memory_gb=141, num_speculative_tokens=0)
     total, active = FAMILY_TOTALS[family]
     assert abs(plan.totals["main"] / total - 1) < 0.02
     if active:
@@ -109,7 +115,7 @@ def test_int4_experts_are_priced_as_the_engine_holds_them(tmp_path):
     plans = {}
     for family in ("kimi-k2", "kimi-k2-thinking"):
         path = make_header_checkpoint(tmp_path / family, shards=4, config=family_config(family))
-        plans[family] = make_plan(path, 8, tp=8, ep=8, num_speculative_tokens=0)
+        plans[family] = _plan(path, 8, tp=8, ep=8, num_speculative_tokens=0)
     fp8, int4 = (plans[f].rank_bytes("experts") for f in ("kimi-k2", "kimi-k2-thinking"))
     assert plans["kimi-k2-thinking"].opts.weight_dtype == "int4"
     assert 0.55 < int4 / fp8 < 0.58  # 0.5625 vs 1 + 4 / 128**2 bytes a value
@@ -128,7 +134,7 @@ def _split_ways(name: str, tp: int, ep: int) -> int:
 
 @pytest.mark.parametrize("tp,ep", [(16, 16), (8, 1)])
 def test_rank_shares_add_up_to_the_checkpoint(replica, plan16, tp, ep):
-    plan = plan16 if (tp, ep) == (16, 16) else make_plan(replica, tp, tp=tp, ep=ep)
+    plan = plan16 if (tp, ep) == (16, 16) else _plan(replica, tp, tp=tp, ep=ep)
     h = _headers(replica)
     rebuilt, experts = 0, {}
     for t in plan.tensors:
@@ -184,9 +190,9 @@ def test_kv_cache_and_capacity(replica, plan16):
     assert p.kv_bytes_per_block == 128 * p.kv_bytes_per_token
     budget = int(64 * GIB * 0.9) - p.rank_bytes() - 2 * GIB
     assert p.kv_budget == budget and p.tokens_per_replica == budget // p.kv_bytes_per_block * 128
-    no_mtp = make_plan(replica, 16, tp=8, ep=8, device_memory_gb=141, num_speculative_tokens=0)
+    no_mtp = _plan(replica, 16, tp=8, ep=8, device_memory_gb=141, num_speculative_tokens=0)
     assert no_mtp.opts.dp == 2 and no_mtp.cache_layers == 61 and no_mtp.rank_bytes("MTP") == 0
-    bf16 = make_plan(replica, 16, tp=16, ep=16, weight_dtype="bf16")  # today's engine
+    bf16 = _plan(replica, 16, tp=16, ep=16, weight_dtype="bf16")  # today's engine
     assert bf16.rank_bytes("experts") > 1.9 * p.rank_bytes("experts")
     assert bf16.kv_budget < 0 and bf16.tokens_per_replica == 0
 
@@ -205,7 +211,7 @@ def test_kv_cache_and_capacity(replica, plan16):
 )
 def test_bad_flags_are_named(replica, kw, flag):
     with pytest.raises(ValueError, match=flag):
-        make_plan(replica, 16, **kw)
+        _plan(replica, 16, **kw)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -222,11 +228,14 @@ def test_cli(replica):
                  "--num_speculative_tokens", "--dp_attention"):  # fmt: skip
         assert flag in helped.stdout
     run = _cli("--model", str(replica), "--devices", "8", "--tp", "8", "--ep", "8",
-               "--device_memory_gb", "141")  # fmt: skip
+               "--device_memory_gb", "141", "--num_speculative_tokens", "1")  # fmt: skip
     assert run.returncode == 0, run.stderr
     per_token = "per token  62 cache layers x (512 latent + 64 roped key) x 2 B = 71,424 B"
     for line in ("671.03 B", per_token, "tp 8, ep 8"):
         assert line in run.stdout
+    # the default is the engine's (EngineArgs): no MTP layer, one cache layer fewer
+    run = _cli("--model", str(replica), "--devices", "8", "--tp", "8", "--ep", "8")
+    assert run.returncode == 0 and "per token  61 cache layers" in run.stdout, run.stderr
 
 
 def _row(text: str, label: str) -> list[str]:
@@ -243,7 +252,7 @@ def test_dp_attention_stores_each_token_on_one_rank(replica, plan16, devices, me
     bytes per token in each process. The price: attention, dense layers, embedding and
     head whole on every rank. On 16 x 64 GiB that leaves no room for a KV block (the plan
     says so); on 8 x 141 GiB the cluster holds ~5x the tokens of TP8/EP8."""
-    dp = make_plan(replica, devices, dp_attention=True, device_memory_gb=memory)
+    dp = _plan(replica, devices, dp_attention=True, device_memory_gb=memory)
     tp = dp.tp_layout
     assert (dp.opts.tp, dp.opts.ep, dp.opts.dp) == (1, devices, devices)
     assert (tp.opts.tp, tp.opts.ep, tp.opts.dp_attention) == (devices, devices, False)
@@ -272,7 +281,7 @@ def test_traffic_per_token_step_by_hand():
     """The bundled model: hidden 256, 8 layers of which 7 MoE, top_k 2, bf16, 4 devices.
     TP/EP all-reduces 2 x 8 layers x 256 x 2 B; DP attention sends and gets back top_k
     rows of 256 x 2 B per MoE layer, 3/4 of them to other ranks."""
-    dp = make_plan(bundled_model(), 4, dp_attention=True)
+    dp = _plan(bundled_model(), 4, dp_attention=True)
     tp = dp.tp_layout
     assert tp.all_reduce_bytes_per_token == 2 * 8 * 256 * 2 == 8192
     assert dp.all_to_all_bytes_per_token == 2 * 2 * 256 * 2 * 3 / 4 * 7 == 10752
@@ -282,7 +291,7 @@ def test_traffic_per_token_step_by_hand():
     assert _row(text, "all-reduce bytes per token per step") == ["8,192", "0"]
     assert _row(text, "all-to-all bytes per token per step") == ["0", "10,752"]
     # 4 heads cannot be split 8 ways: DP attention alone, and why
-    alone = make_plan(bundled_model(), 8, dp_attention=True)
+    alone = _plan(bundled_model(), 8, dp_attention=True)
     assert "num_attention_heads=4" in alone.tp_layout
     assert "--tp=8: num_attention_heads=4" in format_plan(alone)
 
@@ -298,7 +307,7 @@ def test_bundled_model_plan_equals_the_loaded_model():
     tensor they keep (parameters, buffers, fused and copied tensors), each storage once."""
     from xllm_py import LLM
 
-    plan = make_plan(bundled_model(), 1, weight_dtype="float32")
+    plan = _plan(bundled_model(), 1, weight_dtype="float32")
     llm = LLM(dtype="float32", num_speculative_tokens=1, max_cache_size=1 << 20)
     w = llm.engine.core.executor.worker
     storages: dict[int, tuple[int, int]] = {}
@@ -329,7 +338,7 @@ def test_v32_prices_the_indexer_cache_beside_the_mla_cache(tmp_path):
     """DeepSeek-V3.2's indexer keeps one 128-wide key per token and layer beside the MLA
     latent (512) and roped key (64): the plan shows each and counts them all."""
     path = make_header_checkpoint(tmp_path, shards=4, config=family_config("deepseek-v3.2"))
-    plan = make_plan(path, 8, tp=8, ep=8, device_memory_gb=141)
+    plan = _plan(path, 8, tp=8, ep=8, device_memory_gb=141)
     assert plan.kv_parts == {"latent": 512, "roped key": 64, "indexer key": 128}
     assert plan.kv_bytes_per_token == plan.cache_layers * (512 + 64 + 128) * 2
     text = format_plan(plan)

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from xllm_py.args import EngineArgs
 from xllm_py.config import ModelConfig, read_config_dict
 from xllm_py.models.deepseek_mtp import DeepseekV3MTP
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -80,6 +81,16 @@ def _opt(default, text: str):
     return field(default=default, metadata={"help": text})
 
 
+_ENGINE_ARGS = {f.name: f for f in fields(EngineArgs)}
+
+
+def _engine_opt(name: str, more: str = ""):
+    """An option the engine has too: its default and help are EngineArgs' (one declaration,
+    one default), with what the plan adds."""
+    f = _ENGINE_ARGS[name]
+    return _opt(f.default, f.metadata["help"] + more)
+
+
 @dataclass(frozen=True)
 class Options:
     """The plan's inputs; each is a flag of the same name (`--help` shows the texts)."""
@@ -102,21 +113,19 @@ class Options:
                               "devices). Also prints the TP layout (tp = ep = devices) and "
                               "each layout's bytes sent per token per step")
     device_memory_gb: float = _opt(64.0, "memory of one device, in GiB")
-    max_memory_utilization: float = _opt(0.9, "fraction of a device's memory the engine may "
-                                         "use, weights included")
+    max_memory_utilization: float = _engine_opt("max_memory_utilization", ". The plan: "
+                                                "of the device's memory, weights included")
     activation_reserve_gb: float = _opt(2.0, "GiB per rank set aside for activations and the "
                                         "runtime (a guess; the engine measures its peak)")
-    block_size: int = _opt(128, "tokens per KV cache block")
-    num_speculative_tokens: int = _opt(1, "MTP draft tokens; > 0 loads the MTP layer(s), "
-                                       "each with its own KV cache layer; 0: no draft")
-    weight_dtype: str = _opt("auto", "auto | fp8 | int4 | bf16 | float32. fp8: tensors "
-                             "stored FP8 stay FP8 (1 byte/element + float32 block scales), "
-                             "the rest bf16; int4: tensors stored INT4 pack-quantized stay "
-                             "packed (0.5 byte/element + bf16 group scales), the rest bf16; "
-                             "bf16, float32: everything in that dtype; auto: fp8 or int4 as "
-                             "config.json's quantization_config says (what the engine does "
-                             "on CUDA), else bf16. Compute and KV cache dtype: bf16 "
-                             "(float32 with float32)")
+    block_size: int = _engine_opt("block_size")
+    num_speculative_tokens: int = _engine_opt("num_speculative_tokens", "; > 0 loads the MTP "
+                                              "layer(s), each with its own KV cache layer")
+    weight_dtype: str = _engine_opt("weight_dtype", ". Priced here as: fp8 = 1 byte/element "
+                                    "+ float32 block scales, the rest bf16; int4 = 0.5 "
+                                    "byte/element + bf16 group scales, the rest bf16; auto = "
+                                    "fp8 or int4 as config.json's quantization_config says "
+                                    "(what the engine does on CUDA), else bf16. Compute and "
+                                    "KV cache dtype: bf16 (float32 with float32)")
     # fmt: on
 
     @property
