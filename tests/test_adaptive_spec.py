@@ -289,7 +289,7 @@ def test_the_plan_does_not_depend_on_the_tokens_drawn():
     """Property: for the same draft distributions, whichever tokens the draft sampler draws,
     every draft gets the same score and the policy the same plan. (A score taken from the
     drawn token's own probability biases the output: speculative/confidence.py.)"""
-    from xllm_py.worker.model_runner import RunnerRequest
+    from xllm_py.worker.runner_request import RunnerRequest
 
     llm = LLM(dtype="float32", num_speculative_tokens=2, max_cache_size=1 << 20)
     runner = llm.engine.core.executor.worker.runner

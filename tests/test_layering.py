@@ -70,6 +70,36 @@ def find_cycle(graph: dict[str, dict[str, str]]) -> list[str] | None:
     return None
 
 
+def module_graph() -> dict[str, dict[str, str]]:
+    """{module: {module it imports: the line}} between modules of `xllm_py/` (a package is
+    its `__init__`), over every import statement: function-local and TYPE_CHECKING ones
+    too, which a reader follows all the same. `from package import module` depends on that
+    module, not on the package's `__init__` (which may re-export its own modules)."""
+    names = {}
+    for path, tree in _modules():
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        names[".".join(parts)] = (path, tree, rel.name == "__init__")
+    graph: dict[str, dict[str, str]] = {}
+    for name, (path, tree, is_package) in names.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    here = name.split(".") if is_package else name.split(".")[:-1]
+                    base = ".".join(here[: len(here) - node.level + 1] + [base]).strip(".")
+                subs = [f"{base}.{a.name}" for a in node.names]
+                targets = [t for t in subs if t in names] or [base]
+            else:
+                continue
+            for target in targets:
+                if target in names and target != name:
+                    graph.setdefault(name, {}).setdefault(target, f"{path.name}:{node.lineno}")
+    return graph
+
+
 def test_find_cycle_sees_a_cycle_and_a_dag():
     assert find_cycle({"a": {"b": ""}, "b": {"c": ""}, "c": {"a": ""}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b": "", "c": ""}, "b": {"c": ""}}) is None
@@ -82,6 +112,21 @@ def test_packages_import_downward_only():
     if cycle:
         hops = [f"{a} -> {b} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])]
         raise AssertionError("package import cycle:\n  " + "\n  ".join(hops))
+
+
+def test_no_module_imports_itself_in_a_circle():
+    graph = module_graph()
+    assert "xllm_py.engine.async_engine" in graph["xllm_py.entrypoints.serve"]  # sees imports
+    cycle = find_cycle(graph)
+    if cycle:
+        hops = [f"{a} -> {b} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])]
+        raise AssertionError("module import cycle:\n  " + "\n  ".join(hops))
+
+
+def test_args_only_declares():
+    """args.py declares the options; what they build and set up lives with the layers that
+    use them (it reads config.py's names and the bundled model's path, nothing that runs)."""
+    assert set(package_graph().get("args", {})) <= {"config", "assets"}, package_graph()["args"]
 
 
 def test_models_never_import_the_runtime_above_them():

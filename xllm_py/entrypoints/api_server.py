@@ -27,7 +27,6 @@ convert their bodies to a chat request and its answer back (chat.py `chat_output
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -49,28 +48,7 @@ from xllm_py.entrypoints.openai_protocol import (
 )
 from xllm_py.entrypoints.route_docs import BODIES, error_docs, post_doc
 from xllm_py.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
-from xllm_py.entrypoints.serving import OpenAIServer, _internal_error
-
-
-@dataclass
-class ServerOptions:
-    served_model_name: str
-    api_key: str | None = None
-    max_concurrent_requests: int = 256
-    max_request_body_bytes: int = 1 << 20
-    strict_request_fields: bool = False  # True: a field the server does not declare is a 400
-    reasoning_parser: str = ""  # "deepseek_r1": chat answers split <think> (reasoning.py)
-    tool_call_parser: str = ""  # "deepseek_v3": tool calls parsed (tool_parser.py)
-    chat_template: str = "auto"  # "deepseek_v32": DeepSeek-V3.2's encoding (encoding_dsv32.py)
-    enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (with a parser)
-    grammar_compile_timeout: float = 10.0  # seconds a new grammar may take to compile
-    stream_stall_timeout: float = 300.0  # seconds a stream may go unread before its abort
-    # usage.speculative {draft_tokens, accepted_tokens} in answers: --report_speculative_usage
-    # with MTP on (serve.server_options)
-    report_speculative_usage: bool = False
-    # the Responses API's store (responses.py): --responses_store_max, --responses_store_ttl
-    responses_store_max: int = 1000
-    responses_store_ttl: float = 3600.0
+from xllm_py.entrypoints.serving import OpenAIServer, ServerOptions, _internal_error
 
 
 async def tokenize_route(server: OpenAIServer, request: Request) -> dict:

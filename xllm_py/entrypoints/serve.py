@@ -98,7 +98,7 @@ class DrainingServer(uvicorn.Server):
 def server_options(a: EngineArgs, served_model_name: str):
     """The HTTP server's options: ServerOptions' fields are EngineArgs' of the same names
     (the API key from --api_key or XLLM_API_KEY; usage.speculative only with MTP on)."""
-    from xllm_py.entrypoints.api_server import ServerOptions
+    from xllm_py.entrypoints.serving import ServerOptions
 
     own = {"served_model_name", "api_key", "report_speculative_usage"}
     names = {f.name for f in dataclasses.fields(ServerOptions)} - own

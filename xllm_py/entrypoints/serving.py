@@ -26,7 +26,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import jinja2
 from pydantic import BaseModel, ValidationError
@@ -57,9 +57,6 @@ from xllm_py.structured import (
     in_daemon_thread,
 )
 
-if TYPE_CHECKING:
-    from xllm_py.entrypoints.api_server import ServerOptions
-
 DISCONNECT_POLL_S = 0.2
 MAX_WARNED_FIELDS = 256  # unknown field names remembered (and logged once each)
 INLINE_COST = 256  # token decodes an update may cost on the event loop; more go to the pool
@@ -70,6 +67,27 @@ _PREP_POOL = concurrent.futures.ThreadPoolExecutor(
 )
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass
+class ServerOptions:
+    served_model_name: str
+    api_key: str | None = None
+    max_concurrent_requests: int = 256
+    max_request_body_bytes: int = 1 << 20
+    strict_request_fields: bool = False  # True: a field the server does not declare is a 400
+    reasoning_parser: str = ""  # "deepseek_r1": chat answers split <think> (reasoning.py)
+    tool_call_parser: str = ""  # "deepseek_v3": tool calls parsed (tool_parser.py)
+    chat_template: str = "auto"  # "deepseek_v32": DeepSeek-V3.2's encoding (encoding_dsv32.py)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (with a parser)
+    grammar_compile_timeout: float = 10.0  # seconds a new grammar may take to compile
+    stream_stall_timeout: float = 300.0  # seconds a stream may go unread before its abort
+    # usage.speculative {draft_tokens, accepted_tokens} in answers: --report_speculative_usage
+    # with MTP on (serve.server_options)
+    report_speculative_usage: bool = False
+    # the Responses API's store (responses.py): --responses_store_max, --responses_store_ttl
+    responses_store_max: int = 1000
+    responses_store_ttl: float = 3600.0
 
 
 class _Slot:

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 
 from xllm_py.formats.reasoning import held_back
-from xllm_py.formats.tool_parser import (
+from xllm_py.formats.stream_reader import (
     FN_NAME,
     StreamReader,
     ToolCall,

@@ -50,12 +50,15 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from xllm_py.formats.dsml import DsmlStream, dsml_section
 from xllm_py.formats.reasoning import held_back
+from xllm_py.formats.stream_reader import FN_NAME, StreamReader, ToolCall, const, new_call_id
 from xllm_py.structured import json_schema_grammar
+
+__all__ = ["PARSERS", "ToolCall", "new_call_id", "parse", "stream_for", "tool_call_grammar"]
 
 # DeepSeek-V3's markers (V3.1 keeps them)
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -71,16 +74,11 @@ KIMI_CALLS_END = "<|tool_calls_section_end|>"
 KIMI_CALL_BEGIN = "<|tool_call_begin|>"
 KIMI_CALL_END = "<|tool_call_end|>"
 KIMI_ARGS_BEGIN = "<|tool_call_argument_begin|>"
-FN_NAME = r"[\w.\-]+"  # a function's name: the API admits [A-Za-z0-9_.-] (openai_protocol.py)
 
 
 def _token(text: str) -> dict:
     """A marker in the grammar: the token itself, not its spelling in pieces."""
     return {"type": "token", "token": text}
-
-
-def const(text: str) -> dict:
-    return {"type": "const_string", "value": text}
 
 
 @dataclass(frozen=True)
@@ -123,74 +121,6 @@ FORMATS = {
     ),
 }  # fmt: skip
 PARSERS = (*FORMATS, "deepseek_v32")
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-@dataclass
-class ToolCall:
-    id: str
-    name: str
-    arguments: str = ""
-
-    def openai(self) -> dict:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-
-
-class StreamReader:
-    """What the readers share (`calls`: the calls read so far, `parallel`: whether more
-    than the first is kept): `feed` runs the reader's state machine (`_steps`: a step
-    per state, each handling what it can of the unread text, True when it changed the
-    state) over the text so far, and returns the OpenAI delta fields that came of it."""
-
-    text: str
-    pos: int  # text before pos is handled
-    state: str
-    calls: list[ToolCall]
-    parallel: bool
-
-    def _steps(self, final: bool, content: list[str], calls: list[dict]) -> dict:
-        raise NotImplementedError
-
-    def feed(self, delta: str, final: bool = False) -> dict:
-        """The delta fields ("content" and/or "tool_calls") that `delta` completes;
-        `final` flushes what was held back (the output ended)."""
-        self.text += delta
-        content: list[str] = []
-        calls: list[dict] = []
-        step = self._steps(final, content, calls)
-        while self.state in step and step[self.state](self.text[self.pos :]):
-            pass
-        out: dict = {}
-        if "".join(content):
-            out["content"] = "".join(content)
-        if calls:
-            out["tool_calls"] = _merge(calls)
-        return out
-
-    def _new_call(self, call: ToolCall, calls: list[dict]) -> None:
-        """A call whose header arrived: kept, and its id and name handed out."""
-        self.calls.append(call)
-        function = {"name": call.name, "arguments": ""}
-        index = len(self.calls) - 1
-        calls.append({"index": index, "id": call.id, "type": "function", "function": function})
-
-    def _skip_malformed(self, rest: str, final: bool, end: str) -> bool:
-        """A call whose header does not parse: skipped up to its `end` marker."""
-        i = rest.find(end)
-        if i >= 0:
-            self.pos += i + len(end)
-            self.state = "calls"
-            return True
-        if final:
-            self.state = "done"
-        return False
 
 
 @dataclass
@@ -282,23 +212,9 @@ class ToolCallStream(StreamReader):
         return False
 
 
-def _merge(deltas: list[dict]) -> list[dict]:
-    """Consecutive fragments of one call's arguments, within one chunk, as one (the
-    fragment with the id and name stays apart, its arguments "")."""
-    out: list[dict] = []
-    for d in deltas:
-        if out and out[-1]["index"] == d["index"] and "id" not in d and "id" not in out[-1]:
-            out[-1]["function"]["arguments"] += d["function"]["arguments"]
-        else:
-            out.append({**d, "function": dict(d["function"])})
-    return out
-
-
 def stream_for(parser: str, parallel: bool = True) -> StreamReader:
     """The reader of `parser`'s format (a name in PARSERS: --tool_call_parser)."""
     if parser == "deepseek_v32":
-        from xllm_py.formats.dsml import DsmlStream  # (dsml.py builds on this module)
-
         return DsmlStream(parallel)
     return ToolCallStream(parallel, FORMATS[parser])
 
@@ -324,8 +240,6 @@ def tool_call_grammar(
     fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     single = only is not None or not parallel
     if parser == "deepseek_v32":
-        from xllm_py.formats.dsml import dsml_section
-
         section = dsml_section(fns, single)
         return json.dumps({"type": "structural_tag", "format": section}, ensure_ascii=False)
     fmt = FORMATS[parser]

@@ -2,7 +2,7 @@
 
 xgrammar's compile is one C++ call that cannot be interrupted, so a compile thread given a
 timeout keeps running (and holding the compiler) after its caller gave up. Here the compile
-runs in a child (`python -m xllm_py.structured.compiler`, started with subprocess: a fresh
+runs in a child (`python -m xllm_py.structured.compile_child`, started with subprocess: a fresh
 interpreter, nothing forked) that holds the tokenizer's info; past its timeout the child is
 killed and a fresh one started, so the next compile is never behind a runaway one.
 
@@ -63,7 +63,7 @@ class CompileProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "xllm_py.structured.compiler"],
+            [sys.executable, "-m", "xllm_py.structured.compile_child"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -157,34 +157,3 @@ def _kill_all() -> None:
     _exiting.set()
     for p in list(_live):
         p.close()
-
-
-def _serve() -> None:
-    """The child: compile each spec read from stdin, answer on the original stdout."""
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # stray prints go to stderr
-    import xgrammar as xgr
-
-    from xllm_py.structured import compile_spec
-
-    compiler = None
-    for line in sys.stdin:
-        if not line.endswith("\n"):
-            return  # the parent exited mid-message
-        msg = json.loads(line)
-        if "tokenizer_info" in msg:
-            info = xgr.TokenizerInfo.deserialize_json(msg["tokenizer_info"])
-            compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            answer = {"ready": True}
-        else:
-            so = StructuredOutput(msg["kind"], msg["spec"], msg["strict"])
-            try:
-                answer = {"grammar": compile_spec(compiler, so).serialize_json()}
-            except ValueError as e:
-                answer = {"error": str(e)}
-        out.write(json.dumps(answer) + "\n")
-        out.flush()
-
-
-if __name__ == "__main__":
-    _serve()

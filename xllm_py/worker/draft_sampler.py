@@ -29,17 +29,28 @@ the same generator and keeps the same q.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from xllm_py.worker.model_runner import ModelRunner, RunnerRequest
+from xllm_py.worker.runner_request import RunnerRequest
+from xllm_py.worker.sampler import LogitAdjust, Sampler, SamplingBatch
+
+Row = tuple[RunnerRequest, int]  # a request and the output index its row samples
 
 
 class DraftSampler:
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    def __init__(
+        self,
+        sampler: Sampler,
+        sampling_batch: Callable[[list[Row]], SamplingBatch],
+        logit_adjust: Callable[[list[Row], list[list[int]]], LogitAdjust | None],
+    ) -> None:
+        """The model runner's sampler and its two row builders: the sampling parameters of
+        rows, and their bias and penalties after the outputs and drafts before them."""
+        self.sampler = sampler
+        self.sampling_batch = sampling_batch
+        self.logit_adjust = logit_adjust
         # req_id -> (request, tokens this step emitted for it), for the step being drafted
         self._context: dict[str, tuple[RunnerRequest, list[int]]] = {}
         # req_id -> (drafts, q of each) of the last drafting pass; replaced every step, so it
@@ -60,21 +71,20 @@ class DraftSampler:
         sampled rows. A score is the top probability of the row's distribution (q, or the
         draft's softmax on a greedy row), never q(d) of the token drawn: which drafts get
         verified must not depend on the draw (speculative/confidence.py)."""
-        runner = self.runner
         logits = logits.float()
         raw_score, raw_argmax = torch.softmax(logits, dim=-1).max(dim=-1)
         rows = [(self._context[r][0], len(self._context[r][1]) + step) for r in req_ids]
-        batch = runner._sampling_batch(rows)
-        batch.adjust = runner._logit_adjust(
+        batch = self.sampling_batch(rows)
+        batch.adjust = self.logit_adjust(
             rows, [self._context[r][1] + d for r, d in zip(req_ids, drafts)]
         )
-        probs = runner.sampler.probabilities(logits, batch)  # one-hot on greedy rows
+        probs = self.sampler.probabilities(logits, batch)  # one-hot on greedy rows
         # A row whose every token is masked (no hot token the grammar allows): uniform q, a
         # draft that verification will reject, as it would any draft there.
         dead = ~(probs.sum(dim=-1) > 0)
         if dead.any():
             probs[dead] = 1.0 / probs.shape[1]
-        _, noise = runner.sampler.draws(probs, batch)  # seeded rows: that output's noise
+        _, noise = self.sampler.draws(probs, batch)  # seeded rows: that output's noise
         tokens = (probs / noise).argmax(dim=-1)
         score = probs.max(dim=-1).values
         if not batch.all_greedy:

@@ -20,7 +20,6 @@ with it (perf/structured_cost.py measured no gain), so there it is filled in lin
 from __future__ import annotations
 
 import concurrent.futures
-from dataclasses import dataclass
 
 import torch
 
@@ -33,12 +32,12 @@ from xllm_py.executor.messages import (
 from xllm_py.models.attention_layout import RequestLayout, build_context
 from xllm_py.models.context import forward_context
 from xllm_py.models.layers.moe import idle_forward
-from xllm_py.sampling_params import SamplingParams
 from xllm_py.speculative.mtp_proposer import MTPProposer, ProposeInput
 from xllm_py.structured import Matcher, allocate_bitmask, grammars_for
 from xllm_py.worker.draft_sampler import DraftSampler
 from xllm_py.worker.graph_runner import GraphRunner
 from xllm_py.worker.rejection_sampler import verify
+from xllm_py.worker.runner_request import RunnerRequest
 from xllm_py.worker.sampler import (
     LogitAdjust,
     Sampler,
@@ -52,20 +51,6 @@ from xllm_py.worker.sampler import (
 PROMPT_LOGPROBS_ROWS = 256
 # One thread fills grammar bitmasks during the forward; xgrammar releases the GIL.
 _GRAMMAR_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xllm-bitmask")
-
-
-@dataclass
-class RunnerRequest:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    matcher: Matcher | None = None  # structured output: the grammar state after token_ids
-
-    @property
-    def num_outputs(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 class ModelRunner:
@@ -101,7 +86,7 @@ class ModelRunner:
     def use_sampled_drafts(self) -> None:
         """Sampled requests draw their drafts from the draft's processed distribution
         (worker/draft_sampler.py) instead of taking its argmax."""
-        self.draft_sampler = DraftSampler(self)
+        self.draft_sampler = DraftSampler(self.sampler, self._sampling_batch, self._logit_adjust)
         self.proposer.choose = self.draft_sampler.choose
 
     def _apply_diffs(self, sched: SchedulerOutput) -> None:
