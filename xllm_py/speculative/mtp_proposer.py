@@ -53,6 +53,17 @@ from xllm_py.speculative.hot_vocab import HotVocabHead
 from xllm_py.structured import Matcher, allocate_bitmask, unpack_bitmask
 
 
+def graph_q_lens(k: int, num_layers: int) -> dict[int, tuple[int, ...]]:
+    """MTP layer -> the query lengths its passes take in graph mode (k drafts, `num_layers`
+    MTP layers): 1 + k for the first pass (every layer a step uses fills its cache there),
+    1 for the chained steps it runs."""
+    out = {}
+    for layer in range(min(k, num_layers)):
+        chained = any(step % num_layers == layer for step in range(1, k))
+        out[layer] = (1 + k, 1) if chained else (1 + k,)
+    return out
+
+
 @dataclass
 class ProposeInput:
     req_id: str
@@ -75,7 +86,16 @@ class MTPProposer:
         device: torch.device,
         dtype: torch.dtype,
         max_len: int,
+        *,
+        hot: HotVocabHead | None = None,
+        graphs: dict[int, Any] | None = None,
+        choose: Callable[..., torch.Tensor] | None = None,
     ) -> None:
+        """`hot`: drafts from the hot tokens only (--speculative_draft_vocab_size);
+        `graphs`: MTP layer -> its worker/graph_runner.GraphRunner in graph mode (the
+        layers and query lengths `graph_q_lens` names); `choose`: with sampled drafts,
+        (logits [T, V], request ids, draft step, drafts so far) -> (draft tokens [T],
+        scores [T]) (worker/draft_sampler.py); None: the argmax."""
         self.draft = draft
         self.max_len = max_len  # positions must stay below the context length
         self.k = num_tokens
@@ -83,23 +103,9 @@ class MTPProposer:
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        # MTP layer -> its worker/graph_runner.GraphRunner, set by the worker in graph mode
-        self.graphs: dict[int, Any] = {}
-        self.hot: HotVocabHead | None = None  # set by the worker: drafts from hot tokens only
-        # set by the model runner with sampled drafts: (logits [T, V], request ids, draft
-        # step, drafts so far) -> (draft tokens [T], scores [T]) (worker/draft_sampler.py)
-        self.choose: Callable[..., torch.Tensor] | None = None
-
-    def graph_q_lens(self) -> dict[int, tuple[int, ...]]:
-        """MTP layer -> the query lengths its passes take in graph mode: 1 + k for the
-        first pass (every layer a step uses fills its cache there), 1 for the chained
-        steps it runs."""
-        n = len(self.draft.layers)
-        out = {}
-        for layer in range(min(self.k, n)):
-            chained = any(step % n == layer for step in range(1, self.k))
-            out[layer] = (1 + self.k, 1) if chained else (1 + self.k,)
-        return out
+        self.graphs = graphs or {}
+        self.hot = hot
+        self.choose = choose
 
     def propose(
         self, items: list[ProposeInput], target_hidden: torch.Tensor | None, k: int | None = None

@@ -29,28 +29,19 @@ the same generator and keeps the same q.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
+from xllm_py.worker.row_sampling import RowSampling
 from xllm_py.worker.runner_request import RunnerRequest
-from xllm_py.worker.sampler import LogitAdjust, Sampler, SamplingBatch
-
-Row = tuple[RunnerRequest, int]  # a request and the output index its row samples
+from xllm_py.worker.sampler import Sampler
 
 
 class DraftSampler:
-    def __init__(
-        self,
-        sampler: Sampler,
-        sampling_batch: Callable[[list[Row]], SamplingBatch],
-        logit_adjust: Callable[[list[Row], list[list[int]]], LogitAdjust | None],
-    ) -> None:
-        """The model runner's sampler and its two row builders: the sampling parameters of
-        rows, and their bias and penalties after the outputs and drafts before them."""
+    def __init__(self, sampler: Sampler, rows: RowSampling) -> None:
+        """The model runner's sampler and row builder: a draft row is processed as the
+        verification row of its position will be."""
         self.sampler = sampler
-        self.sampling_batch = sampling_batch
-        self.logit_adjust = logit_adjust
+        self.rows = rows
         # req_id -> (request, tokens this step emitted for it), for the step being drafted
         self._context: dict[str, tuple[RunnerRequest, list[int]]] = {}
         # req_id -> (drafts, q of each) of the last drafting pass; replaced every step, so it
@@ -74,8 +65,8 @@ class DraftSampler:
         logits = logits.float()
         raw_score, raw_argmax = torch.softmax(logits, dim=-1).max(dim=-1)
         rows = [(self._context[r][0], len(self._context[r][1]) + step) for r in req_ids]
-        batch = self.sampling_batch(rows)
-        batch.adjust = self.logit_adjust(
+        batch = self.rows.batch(rows)
+        batch.adjust = self.rows.adjust(
             rows, [self._context[r][1] + d for r, d in zip(req_ids, drafts)]
         )
         probs = self.sampler.probabilities(logits, batch)  # one-hot on greedy rows

@@ -37,13 +37,11 @@ from xllm_py.structured import Matcher, allocate_bitmask, grammars_for
 from xllm_py.worker.draft_sampler import DraftSampler
 from xllm_py.worker.graph_runner import GraphRunner
 from xllm_py.worker.rejection_sampler import verify
+from xllm_py.worker.row_sampling import RowSampling
 from xllm_py.worker.runner_request import RunnerRequest
 from xllm_py.worker.sampler import (
-    LogitAdjust,
     Sampler,
-    SamplingBatch,
     logprob_details,
-    token_seed,
 )
 
 # Prompt rows whose logits (rows x vocab floats) exist at once while prompt logprobs are
@@ -62,9 +60,17 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         device: torch.device,
         dtype: torch.dtype,
-        seed: int = 0,
         model_path: str | None = None,
+        *,
+        sampler: Sampler,
+        rows: RowSampling,
+        proposer: MTPProposer | None = None,
+        draft_sampler: DraftSampler | None = None,
+        graphs: GraphRunner | None = None,
     ) -> None:
+        """Built whole (worker.py's `build_runner`): `sampler` and `rows` sample the
+        target's rows; `proposer` drafts (MTP on), drawing sampled requests' drafts through
+        `draft_sampler`; `graphs` runs the decode steps in graph mode."""
         self.model = model
         self.model_path = model_path  # its tokenizer compiles structured-output grammars
         self.kv_caches = kv_caches
@@ -73,21 +79,14 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.vocab_size = model.config.vocab_size
-        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        self.sampler = sampler
+        self.rows = rows
         self.requests: dict[str, RunnerRequest] = {}
-        self.proposer: MTPProposer | None = None  # set by the worker when drafting is on
-        self.draft_sampler: DraftSampler | None = (
-            None  # set with sampled drafts (use_sampled_drafts)
-        )
-        self.graphs: GraphRunner | None = None  # set by the worker in graph mode
+        self.proposer = proposer
+        self.draft_sampler = draft_sampler
+        self.graphs = graphs
         # fill grammar bitmasks while the forward runs (False: after it, in this thread)
         self.overlap_grammar = device.type != "cpu"
-
-    def use_sampled_drafts(self) -> None:
-        """Sampled requests draw their drafts from the draft's processed distribution
-        (worker/draft_sampler.py) instead of taking its argmax."""
-        self.draft_sampler = DraftSampler(self.sampler, self._sampling_batch, self._logit_adjust)
-        self.proposer.choose = self.draft_sampler.choose
 
     def _apply_diffs(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -176,8 +175,8 @@ class ModelRunner:
         """One token per request, or with drafts, the verified run (rejection_sampler);
         `grammar`: the bitmask `_start_grammar` began filling."""
         rows = [(self.requests[req_ids[i]], j) for i, j in sample_reqs]
-        batch = self._sampling_batch(rows)
-        batch.adjust = self._logit_adjust(
+        batch = self.rows.batch(rows)
+        batch.adjust = self.rows.adjust(
             rows, [spec.get(req_ids[i], [])[:j] for i, j in sample_reqs]
         )
         batch.grammar = None if grammar is None else grammar.result()
@@ -382,81 +381,3 @@ class ModelRunner:
             [[] if n is None else drafts[n] for n in picked],
             [[] if n is None else scores[n] for n in picked],
         )
-
-    def _logit_adjust(
-        self, rows: list[tuple[RunnerRequest, int]], drafts_before: list[list[int]]
-    ) -> LogitAdjust | None:
-        """Bias and penalties of the rows whose requests have any. Row (request, j) is
-        judged after the request's outputs so far and its drafts d_1..d_j: the tokens
-        plain decoding would have produced before that position if they are accepted."""
-        picked = [row for row, (r, _) in enumerate(rows) if r.sampling.adjusts_logits]
-        if not picked:
-            return None
-        dev, vocab = self.device, self.vocab_size
-        counts = torch.zeros(len(picked), vocab, device=dev)
-        seen = torch.zeros(len(picked), vocab, dtype=torch.bool, device=dev)
-        bias = None
-        for a, row in enumerate(picked):
-            r = rows[row][0]
-            outputs = r.token_ids[r.num_prompt_tokens :] + drafts_before[row]
-            if outputs:
-                counts[a] = torch.bincount(
-                    torch.tensor(outputs, device=dev), minlength=vocab
-                ).float()
-            seen[a, torch.tensor(r.token_ids[: r.num_prompt_tokens], device=dev)] = True
-            if r.sampling.logit_bias:
-                bias = torch.zeros(len(picked), vocab, device=dev) if bias is None else bias
-                ids, vals = zip(*r.sampling.logit_bias.items())
-                bias[a, list(ids)] = torch.tensor(vals, device=dev)
-        params = [rows[row][0].sampling for row in picked]
-
-        def column(name: str) -> torch.Tensor:
-            return torch.tensor([[getattr(p, name)] for p in params], device=dev)
-
-        return LogitAdjust(
-            torch.tensor(picked, device=dev),
-            counts,
-            seen | (counts > 0),
-            column("presence_penalty"),
-            column("frequency_penalty"),
-            column("repetition_penalty"),
-            bias,
-        )
-
-    def _sampling_batch(self, rows: list[tuple[RunnerRequest, int]]) -> SamplingBatch:
-        """Per-row parameters; row (request, j) samples the request's output number
-        num_outputs + j (j > 0 only on draft-verification rows)."""
-        dev = self.device
-        params = [r.sampling for r, _ in rows]
-        all_greedy = all(p.greedy for p in params)
-        wants = [p.logprobs for p in params if p.logprobs is not None]
-        banned = []
-        for row, (r, j) in enumerate(rows):
-            if r.num_outputs + j < r.sampling.min_tokens:
-                ids = (
-                    [] if r.sampling.ignore_eos else self.eos_token_ids
-                ) + r.sampling.stop_token_ids
-                if ids:
-                    banned.append((row, ids))
-        batch = SamplingBatch.greedy_rows(banned, max(wants) if wants else None)
-        if all_greedy:
-            return batch
-        batch.all_greedy = False
-        batch.greedy = torch.tensor([p.greedy for p in params], device=dev)
-        batch.temperature = torch.tensor(
-            [1.0 if p.greedy else p.temperature for p in params], device=dev
-        )
-        if any(p.top_k > 0 for p in params):
-            batch.top_k = torch.tensor(
-                [p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=dev
-            )
-        if any(p.top_p < 1 for p in params):
-            batch.top_p = torch.tensor([p.top_p for p in params], device=dev)
-        if any(p.min_p > 0 for p in params):
-            batch.min_p = torch.tensor([p.min_p for p in params], device=dev)
-        batch.seeds = [
-            (row, token_seed(r.sampling.seed, r.num_outputs + j))
-            for row, (r, j) in enumerate(rows)
-            if r.sampling.seed is not None and not r.sampling.greedy
-        ]
-        return batch

@@ -30,12 +30,15 @@ from xllm_py.ops.backends import select_kernels
 from xllm_py.ops.fp8_gemm import fp8_gemm_available
 from xllm_py.parallel.context import SINGLE, ParallelContext
 from xllm_py.speculative.hot_vocab import TOKEN_MAP_FILE, HotVocabHead, load_token_map
-from xllm_py.speculative.mtp_proposer import MTPProposer
+from xllm_py.speculative.mtp_proposer import MTPProposer, graph_q_lens
 from xllm_py.weights.fp8 import Fp8Config, fp8_resident
 from xllm_py.weights.int4 import int4_resident
 from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
+from xllm_py.worker.draft_sampler import DraftSampler
 from xllm_py.worker.graph_runner import GraphRunner
 from xllm_py.worker.model_runner import ModelRunner
+from xllm_py.worker.row_sampling import RowSampling
+from xllm_py.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -356,48 +359,7 @@ class Worker:
             self.config.cache.block_size,
             num_blocks * self.bytes_per_block / 2**20,
         )
-        self.runner = ModelRunner(
-            self.model,
-            caches,
-            self.config.cache.block_size,
-            self.config.model.eos_token_ids,
-            self.device,
-            self.dtype,
-            seed,
-            self.config.model.path,
-        )
-        if self.graph_mode:
-            k = self.config.spec.num_speculative_tokens
-            # Verification of k drafts has 1 + k rows per request; adaptive speculation
-            # verifies any number up to k, so each of those lengths gets its graphs.
-            q_lens = tuple(range(1, k + 2)) if self.config.spec.adaptive else (1, 1 + k)
-            self.runner.graphs = self._graph_runner(
-                self.model.forward, caches, num_blocks, q_lens if k else (1,)
-            )
-        if self.draft is not None:
-            self.runner.proposer = MTPProposer(
-                self.draft,
-                self.config.spec.num_speculative_tokens,
-                caches,
-                self.config.cache.block_size,
-                self.device,
-                self.dtype,
-                self.config.max_model_len,
-            )
-            self.runner.proposer.hot = self._hot_vocab_head()
-            if self.config.spec.draft_sampling == "sampled":
-                self.runner.use_sampled_drafts()
-            if self.graph_mode:
-                proposer = self.runner.proposer
-                for layer, q_lens in proposer.graph_q_lens().items():
-                    proposer.graphs[layer] = self._graph_runner(
-                        _draft_pass(self.draft, layer),
-                        caches,
-                        num_blocks,
-                        q_lens,
-                        extras=((self.config.model.hidden_size,),),
-                        name=f"MTP layer {layer}",
-                    )
+        self.runner = self._build_runner(caches, num_blocks, seed)
         if self.graph_mode and self.parallel.dp_attention:
             # every rank compiles now, all at once (each dummy step's MoE layers exchange
             # with the other ranks, which are in their start-up too); never in the
@@ -413,6 +375,47 @@ class Worker:
                 self.warm_up_graphs()
         elif self.graph_mode:
             logger.info("graph mode: the replica's ranks compile together at its first step")
+
+    def _build_runner(self, caches: list[torch.Tensor], num_blocks: int, seed: int):
+        """The model runner with every part it runs, built before it: the sampler and row
+        builder, and with MTP on the proposer (hot-vocabulary head, draft sampler, the
+        draft passes' graphs); the target's graphs in graph mode."""
+        cfg, spec = self.config, self.config.spec
+        sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
+        rows = RowSampling(cfg.model.vocab_size, list(cfg.model.eos_token_ids), self.device)
+        graphs = proposer = draft_sampler = None
+        k = spec.num_speculative_tokens
+        if self.graph_mode:
+            # Verification of k drafts has 1 + k rows per request; adaptive speculation
+            # verifies any number up to k, so each of those lengths gets its graphs.
+            q_lens = tuple(range(1, k + 2)) if spec.adaptive else (1, 1 + k)
+            graphs = self._graph_runner(
+                self.model.forward, caches, num_blocks, q_lens if k else (1,)
+            )
+        if self.draft is not None:
+            if spec.draft_sampling == "sampled":
+                draft_sampler = DraftSampler(sampler, rows)
+            draft_graphs = {}
+            if self.graph_mode:
+                for layer, lens in graph_q_lens(k, len(self.draft.layers)).items():
+                    draft_graphs[layer] = self._graph_runner(
+                        _draft_pass(self.draft, layer),
+                        caches,
+                        num_blocks,
+                        lens,
+                        extras=((cfg.model.hidden_size,),),
+                        name=f"MTP layer {layer}",
+                    )
+            proposer = MTPProposer(
+                self.draft, k, caches, cfg.cache.block_size, self.device, self.dtype,
+                cfg.max_model_len, hot=self._hot_vocab_head(), graphs=draft_graphs,
+                choose=draft_sampler.choose if draft_sampler is not None else None,
+            )  # fmt: skip
+        return ModelRunner(
+            self.model, caches, cfg.cache.block_size, cfg.model.eos_token_ids, self.device,
+            self.dtype, cfg.model.path, sampler=sampler, rows=rows, proposer=proposer,
+            draft_sampler=draft_sampler, graphs=graphs,
+        )  # fmt: skip
 
     def _hot_vocab_head(self) -> HotVocabHead | None:
         """--speculative_draft_vocab_size: the draft's head over the hot tokens only."""
