@@ -324,7 +324,10 @@ def test_two_node_greedy_equals_one_node(layout, k, offline_greedy):
 def test_two_node_graph_mode_equals_one_node(offline_greedy):
     """Graph mode on both ranks of a TP replica with partitioned experts (the "ep" layout:
     all-reduces of attention and MoE inside the graphs), MTP k = 1: the offline API's output."""
-    flags = ("--dtype=float32", CACHE, "--num_speculative_tokens=1", "--enable_graph=true")
+    # Compiling can keep a loaded 2-core machine's health-check threads from answering for
+    # longer than the default 5 s heartbeat (CI: "silent for 5.5 s" mid-compile)
+    flags = ("--dtype=float32", CACHE, "--num_speculative_tokens=1", "--enable_graph=true",
+             "--heartbeat_timeout=60")  # fmt: skip
     with Cluster(*flags, "--graph_batch_sizes", "4", layout=LAYOUTS["ep"]) as c:
         # both ranks compile 3 graphs first: over 400 s on a loaded 2-core machine
         c.wait_healthy(timeout=900)
