@@ -24,10 +24,8 @@ model can think without it (not deepseek_r1, which always thinks).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import weakref
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter
@@ -35,7 +33,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from xllm_py.engine.engine_client import EngineDeadError, RequestAbortedError, Update
+from xllm_py.engine.engine_client import Update
 from xllm_py.entrypoints.chat import ChatChoice, chat_outputs
 from xllm_py.entrypoints.messages_request import (
     AnthropicError,
@@ -53,9 +51,6 @@ from xllm_py.entrypoints.route_docs import post_doc
 from xllm_py.entrypoints.serving import (
     Answer,
     OpenAIServer,
-    StallGuardedStream,
-    _internal_error,
-    _Slot,
 )
 
 # ---- the answer ----------------------------------------------------------------------------------
@@ -167,11 +162,11 @@ class MessagesAnswer(Answer):
             "stop_reason": stop[0], "stop_sequence": stop[1], "usage": self.anthropic_usage(),
         }  # fmt: skip
 
-    def opening(self) -> str:
+    def opening(self) -> Iterator[str]:
         message = self.message([], (None, None))
         message["usage"].pop("speculative", None)  # nothing drafted yet: message_delta has it
         start = {"type": "message_start", "message": message}
-        return _event("message_start", start) + _event("ping", {"type": "ping"})
+        yield _event("message_start", start) + _event("ping", {"type": "ping"})
 
     def step(self, out, u: Update) -> str | None:
         """The events update `u` of the only choice makes (None: nothing to send)."""
@@ -187,29 +182,18 @@ class MessagesAnswer(Answer):
                        ("message_stop", {})]  # fmt: skip
         return "".join(_event(name, {"type": name, **data}) for name, data in events) or None
 
+    def closing(self) -> Iterator[str]:
+        return iter(())  # message_stop came with the last update
+
+    def error(self, e: APIError) -> str:
+        return _event("error", error_body(e))
+
+    def end(self) -> str:
+        return ""
+
     def whole(self) -> bytes:
         body = self.message(self.blocks.final(), stop_of(self.outputs[0]))  # type: ignore[arg-type]
         return json.dumps(body, ensure_ascii=False).encode()
-
-
-async def _events(server: OpenAIServer, answer: MessagesAnswer, slot: _Slot) -> AsyncIterator[str]:
-    """A stream's events (as serving.stream does chat's chunks: merged updates, the slot
-    released at the end, an error event if the request fails on the way)."""
-    try:
-        yield answer.opening()
-        async with contextlib.aclosing(server.merged(answer.outputs)) as merged:
-            async for out, u in merged:
-                events = await server.step(answer, out, u)
-                if events is not None:
-                    yield events
-    except (EngineDeadError, RequestAbortedError) as e:
-        yield _event("error", error_body(APIError(503, str(e), type="server_error")))
-    except APIError as e:
-        yield _event("error", error_body(e))
-    except Exception as e:  # noqa: BLE001 - this request's fault: it ends, the rest go on
-        yield _event("error", error_body(_internal_error(e)))
-    finally:
-        slot.release()
 
 
 async def serve_messages(server: OpenAIServer, request: Request) -> Response:
@@ -222,12 +206,7 @@ async def serve_messages(server: OpenAIServer, request: Request) -> Response:
     answer = MessagesAnswer.of(server, chat, "message", "msg_", outputs)
     show = req.thinking is None or req.thinking.display != "omitted"
     answer.blocks = _Blocks(show)
-    if not req.stream:
-        return await server.respond(request, chat, answer)
-    slot = _Slot(server, len(outputs))
-    gen = _events(server, answer, slot)
-    weakref.finalize(gen, slot.release)  # a stream cancelled before its first event
-    return StallGuardedStream(gen, server.opts.stream_stall_timeout, answer.head["id"])
+    return await server.respond(request, chat, answer)
 
 
 async def count_tokens(server: OpenAIServer, request: Request) -> dict:

@@ -380,8 +380,4 @@ def to_chat(req: _Conversation, parser: str) -> ChatCompletionRequest:
 
 def anthropic_names(e: APIError) -> APIError:
     """A chat error that names a chat field, renamed to the Messages body's field."""
-    new = RENAMED.get(e.param or "")
-    if new is None:
-        return e
-    message = new + e.message[len(e.param) :] if e.message.startswith(e.param) else e.message
-    return APIError(e.status, message, e.type, new, e.code)
+    return e.renamed(RENAMED)

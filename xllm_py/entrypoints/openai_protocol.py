@@ -58,6 +58,17 @@ class APIError(Exception):
         name = str(e).split(":")[0].split("=")[0].strip()
         return cls(400, str(e), param={"prompt_token_ids": "prompt"}.get(name, name))
 
+    def renamed(self, names: dict[str, str], spelled: dict[str, str] | None = None) -> APIError:
+        """This error (from the chat path, naming a chat field) naming instead the field of
+        the body the request came in: `names` maps chat fields to that body's, `spelled`
+        says how the message names one where that differs. Unchanged for other fields."""
+        new = names.get(self.param or "")
+        if new is None:
+            return self
+        said = (spelled or {}).get(new, new)
+        message = self.message.replace(self.param or "", said, 1)
+        return APIError(self.status, message, self.type, new, self.code)
+
     def body(self) -> dict:
         return {
             "error": {

@@ -23,14 +23,13 @@ DELETE removes it.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import logging
 import time
 import uuid
-import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from fastapi import APIRouter
@@ -38,7 +37,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from xllm_py.engine.engine_client import EngineDeadError, RequestAbortedError
 from xllm_py.entrypoints.chat import chat_outputs
 from xllm_py.entrypoints.openai_protocol import (
     APIError,
@@ -55,9 +53,6 @@ from xllm_py.entrypoints.route_docs import error_docs, post_doc
 from xllm_py.entrypoints.serving import (
     Answer,
     OpenAIServer,
-    StallGuardedStream,
-    _internal_error,
-    _Slot,
 )
 
 logger = logging.getLogger(__name__)
@@ -259,10 +254,30 @@ class _Answer(Answer):
     (the SSE events it makes, when streamed); `whole()` is the response object."""
 
     reply: Reply
+    keep: Callable[[], None]  # stores the finished response (if asked to): set per request
+
+    def opening(self) -> Iterator[str]:
+        for kind in ("response.created", "response.in_progress"):
+            resource = self.reply.resource("in_progress", [], None)
+            yield self.reply.sse({"type": kind, "response": resource})
 
     def step(self, out, u) -> str | None:
         body = out.feed(u)
         return None if body is None else self.reply.take(body)
+
+    def closing(self) -> Iterator[str]:
+        final = self.reply.finished(self.usage_so_far())
+        self.keep()
+        yield self.reply.sse({"type": f"response.{final['status']}", "response": final})
+
+    def error(self, e: APIError) -> str:
+        return self.reply.error(e)
+
+    def end(self) -> str:
+        return ""
+
+    def finished(self) -> None:
+        self.keep()
 
     def whole(self) -> bytes:
         return json.dumps(self.reply.finished(self.usage_so_far()), ensure_ascii=False).encode()
@@ -360,49 +375,13 @@ class ResponsesAPI:
             raise renamed(e) from e
         answer = _Answer.of(server, chat, "response", "resp_", outputs)
         answer.reply = reply = Reply(req, answer.head, req.stream)
-        conversation = (*history, *new)
-        slot = _Slot(server, len(outputs))
-        if req.stream:
-            gen = self.events(answer, slot, conversation)
-            weakref.finalize(gen, slot.release)  # a stream cancelled before its first event
-            return StallGuardedStream(gen, server.opts.stream_stall_timeout, reply.head["id"])
-        try:
-            response = await server.whole(request, answer)
-        finally:
-            slot.release()
-        self.keep(reply, conversation)
-        return response
+        answer.keep = functools.partial(self.keep, reply, (*history, *new))
+        return await server.respond(request, req, answer)
 
     def keep(self, reply: Reply, conversation: tuple[dict, ...]) -> None:
         if reply.req.store and reply.final is not None:
             messages = (*conversation, reply.items.assistant_message())
             self.store.put(reply.final["id"], reply.final, messages)
-
-    async def events(
-        self, answer: _Answer, slot: _Slot, conversation: tuple[dict, ...]
-    ) -> AsyncIterator[str]:
-        """The stream: response.created and .in_progress, each delta's events, then
-        response.completed (or .incomplete); an error ends it with an `error` event."""
-        reply, server = answer.reply, self.server
-        try:
-            for kind in ("response.created", "response.in_progress"):
-                yield reply.sse({"type": kind, "response": reply.resource("in_progress", [], None)})
-            async with contextlib.aclosing(server.merged(answer.outputs)) as merged:
-                async for out, u in merged:
-                    events = await server.step(answer, out, u)
-                    if events:
-                        yield events
-            final = reply.finished(answer.usage_so_far())
-            self.keep(reply, conversation)
-            yield reply.sse({"type": f"response.{final['status']}", "response": final})
-        except (EngineDeadError, RequestAbortedError) as e:
-            yield reply.error(APIError(503, str(e), type="server_error"))
-        except APIError as e:
-            yield reply.error(e)
-        except Exception as e:  # noqa: BLE001 - this request's fault: it ends, the rest go on
-            yield reply.error(_internal_error(e))
-        finally:
-            slot.release()
 
 
 def routes(server: OpenAIServer) -> APIRouter:

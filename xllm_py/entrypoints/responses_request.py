@@ -316,8 +316,4 @@ def to_chat(
 
 def renamed(e: APIError) -> APIError:
     """An error from the chat path, naming the Responses body's field instead."""
-    param = RENAMED.get(e.param or "")
-    if param is None:
-        return e
-    said = "text.format" if param == "text" else param
-    return APIError(e.status, e.message.replace(e.param or "", said, 1), e.type, param, e.code)
+    return e.renamed(RENAMED, {"text": "text.format"})

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -174,10 +174,36 @@ class Answer:
             body["usage"] = self.usage_so_far()
         return _sse(body)
 
+    # ---- what a stream sends (serving.stream drives these; each API overrides them) -------
+
+    def opening(self) -> Iterator[str]:
+        """Before the first update: chat's role chunks (one per choice that has one)."""
+        for out in self.outputs:
+            opening = out.opening()
+            if opening is not None:
+                yield self.chunk(opening)
+
     def step(self, out: ChoiceOutput, u: Update) -> str | None:
         """`out` takes in `u`: the SSE chunk to send, if any."""
         body = out.feed(u)
         return None if body is None else self.chunk(body)
+
+    def closing(self) -> Iterator[str]:
+        """After the last update: the usage chunk, when asked for."""
+        if self.usage:
+            usage = {"choices": [], "usage": self.usage_so_far()}
+            yield _sse({**self.head, "object": self.chunk_kind, **usage})
+
+    def error(self, e: APIError) -> str:
+        """The event that ends a stream whose request failed on the way."""
+        return _sse(e.body())
+
+    def end(self) -> str:
+        """After everything, error or not: OpenAI's `[DONE]` (other APIs: nothing)."""
+        return "data: [DONE]\n\n"
+
+    def finished(self) -> None:
+        """The answer is complete (streamed to its end, or whole): the Responses API keeps it."""
 
     def whole(self) -> bytes:
         """The JSON of the whole answer (after every update was fed)."""
@@ -472,9 +498,11 @@ class OpenAIServer:
             timeout = self.opts.stream_stall_timeout
             return StallGuardedStream(gen, timeout, answer.head["id"])
         try:
-            return await self.whole(request, answer)
+            response = await self.whole(request, answer)
         finally:
             slot.release()
+        answer.finished()
+        return response
 
     async def whole(self, request: Request, answer: Answer) -> Response:
         async def collect() -> None:
@@ -502,25 +530,26 @@ class OpenAIServer:
         return Response(body, media_type="application/json")
 
     async def stream(self, answer: Answer, slot: _Slot) -> AsyncIterator[str]:
+        """Every API's stream: the answer's opening, its merged updates' events, its
+        closing; a failure on the way ends it with the answer's error event; the slot is
+        released at the end whatever happened."""
         try:
-            for out in answer.outputs:
-                opening = out.opening()
-                if opening is not None:
-                    yield answer.chunk(opening)
+            for piece in answer.opening():
+                yield piece
             async with contextlib.aclosing(self.merged(answer.outputs)) as merged:
                 async for out, u in merged:
-                    chunk = await self.step(answer, out, u)
-                    if chunk is not None:
-                        yield chunk
-            if answer.usage:
-                usage = {"choices": [], "usage": answer.usage_so_far()}
-                yield _sse({**answer.head, "object": answer.chunk_kind, **usage})
+                    piece = await self.step(answer, out, u)
+                    if piece:
+                        yield piece
+            for piece in answer.closing():
+                yield piece
         except (EngineDeadError, RequestAbortedError) as e:
-            yield _sse(APIError(503, str(e), type="server_error").body())
+            yield answer.error(APIError(503, str(e), type="server_error"))
         except APIError as e:
-            yield _sse(e.body())
+            yield answer.error(e)
         except Exception as e:  # noqa: BLE001 - this request's fault: it ends, the rest go on
-            yield _sse(_internal_error(e).body())
+            yield answer.error(_internal_error(e))
         finally:
             slot.release()
-        yield "data: [DONE]\n\n"
+        if end := answer.end():
+            yield end
