@@ -36,6 +36,7 @@ from starlette.requests import ClientDisconnect
 
 from xllm_py import __version__
 from xllm_py.engine.engine_client import EngineClient
+from xllm_py.engine.metrics import CONTENT_TYPE, ServerMetrics
 from xllm_py.entrypoints import messages, messages_request, responses
 from xllm_py.entrypoints.chat import serve_chat
 from xllm_py.entrypoints.completions import serve_completion
@@ -47,7 +48,6 @@ from xllm_py.entrypoints.openai_protocol import (
     TokenizeRequest,
 )
 from xllm_py.entrypoints.route_docs import BODIES, error_docs, post_doc
-from xllm_py.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
 from xllm_py.entrypoints.serving import OpenAIServer, ServerOptions, _internal_error
 
 

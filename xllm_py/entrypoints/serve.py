@@ -115,8 +115,8 @@ def build_server(a: EngineArgs) -> tuple[DrainingServer, object]:
     `server.should_exit` stops it as SIGTERM would."""
     from xllm_py.engine.async_engine import AsyncEngine
     from xllm_py.engine.llm_engine import LLMEngine
+    from xllm_py.engine.metrics import ServerMetrics
     from xllm_py.entrypoints.api_server import build_app
-    from xllm_py.entrypoints.server_metrics import ServerMetrics
 
     ProcessOptions.from_args(a, threads=not a.engine_core_process).apply()
     config = a.engine_config()

@@ -40,6 +40,7 @@ from xllm_py.engine.engine_client import (
     RequestFailedError,
     Update,
 )
+from xllm_py.engine.metrics import ServerMetrics
 from xllm_py.entrypoints.choice_output import Choice, ChoiceOutput, Formatter
 from xllm_py.entrypoints.openai_protocol import (
     APIError,
@@ -47,7 +48,6 @@ from xllm_py.entrypoints.openai_protocol import (
     TokenizeRequest,
     from_validation_error,
 )
-from xllm_py.entrypoints.server_metrics import ServerMetrics
 from xllm_py.formats import encoding_dsv32, reasoning
 from xllm_py.sampling_params import StructuredOutput
 from xllm_py.structured import (

@@ -1,4 +1,4 @@
-"""Speculative-decoding counters, as data (entrypoints/server_metrics.py exports them).
+"""Speculative-decoding counters, as data (engine/metrics.py exports them).
 
 acceptance rate          = accepted_tokens / draft_tokens
 mean acceptance length   = 1 + accepted_tokens / drafts   (tokens per target pass)
