@@ -41,7 +41,7 @@ from xllm_py.cluster.layout import check_args as check_cluster_args
 from xllm_py.entrypoints.serve import build_server, run
 from xllm_py.formats.reasoning import PARSERS as REASONING_PARSERS
 from xllm_py.formats.tool_parser import PARSERS as TOOL_CALL_PARSERS
-from xllm_py.processes import ProcessOptions
+from xllm_py.processes import ProcessOptions, cluster_options
 
 __all__ = ["build_parser", "build_server", "check", "main", "run"]
 
@@ -65,13 +65,11 @@ def check(a: EngineArgs) -> None:
 
 def run_worker(a: EngineArgs) -> int:
     """Nodes 1..N-1: a worker only (no HTTP)."""
-    from xllm_py.cluster.layout import options_from_args
     from xllm_py.cluster.worker_node import run_worker_node
 
     ProcessOptions.from_args(a, threads=True).apply()
-    opts = options_from_args(a, read_secrets=True)
     config = a.engine_config()
-    opts.layout.check_model(config.model)
+    opts = cluster_options(a, config)
     return run_worker_node(opts, config, a.host, a.port, a.shutdown_timeout)
 
 

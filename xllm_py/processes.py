@@ -74,7 +74,7 @@ class ProcessOptions:
 
 
 def cluster_options(a: EngineArgs, config: EngineConfig) -> ClusterOptions | None:
-    """The master's cluster options, token and TLS files read now (None: one node); the
+    """This node's cluster options, token and TLS files read now (None: one node); the
     model must split over the layout (ValueError naming the numbers)."""
     if a.nnodes == 1:
         return None

@@ -211,7 +211,10 @@ class CoreProcessClient(EngineCoreClient):
         self._started: set[str] = set()
         self.dead: str | None = None
         self.proc, self.channel = _spawn(module)
-        self.channel.tx.send_bytes(boot)
+        try:
+            self.channel.tx.send_bytes(boot)
+        except OSError:
+            pass  # it exited before reading: _first_message says how
         first = self._first_message()
         self.num_blocks, self._stats = first.num_blocks, first.stats
         for target, name in ((self._receive, "xllm-core-rx"), (self._send, "xllm-core-tx")):
