@@ -50,7 +50,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from perf.common import RESULTS, command, parser, print_block, write_json
+from perf.common import RESULTS, command, http_client, parser, print_block, write_json
 from perf.daemon import samples
 
 MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048  # vLLM's ShareGPT filters
@@ -578,9 +578,7 @@ async def benchmark(args) -> dict[str, Any]:
         raise ValueError(f"--extra-body={args.extra_body!r} must be a JSON object")
     tokenizer = load_tokenizer(args.tokenizer)
     requests = sample_requests(args, tokenizer)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(6 * 3600.0, connect=60.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with http_client(6 * 3600.0) as client:
         model = args.model or await first_model(client, base_url)
         print(f"Model: {model}; {len(requests)} {args.dataset_name} prompts; endpoint "
               f"{base_url + args.endpoint}; request rate {args.request_rate}; max concurrency "

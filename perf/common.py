@@ -70,6 +70,17 @@ def settings(args) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
 
+def http_client(timeout_s: float, **kw):
+    """An httpx client with no connection cap whose idle connections expire after 3 s, before
+    any server closes them (uvicorn's default keep-alive is 5 s): a request sent on a
+    connection the server is closing at that moment fails with ReadError."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                          keepalive_expiry=3.0)  # fmt: skip
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=60.0), **kw)
+
+
 def write_json(path: Path | str, result: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

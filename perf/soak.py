@@ -33,7 +33,16 @@ import httpx
 from tqdm import tqdm
 
 from perf.bench_serving import load_tokenizer, sample_sharegpt
-from perf.common import RESULTS, command, machine, parser, print_block, settings, write_json
+from perf.common import (
+    RESULTS,
+    command,
+    http_client,
+    machine,
+    parser,
+    print_block,
+    settings,
+    write_json,
+)
 from perf.daemon import Server, flag_value
 from xllm_py.assets import bundled_model
 from xllm_py.config import CacheConfig, DeviceConfig, ModelConfig
@@ -557,9 +566,7 @@ FLAGS = [  # (flag, type, default, help)
 
 
 async def _client_phase(server: Server, specs, probes, args) -> dict:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(600.0, connect=60.0)
-    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=timeout) as client:
+    async with http_client(600.0, base_url=server.url) as client:
         idle = [probe_answer(await send(client, p)) for p in probes]
         load = await run_load(client, specs, probes, args, server.proc.pid)
         after = [probe_answer(await send(client, p)) for p in probes]

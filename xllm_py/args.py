@@ -232,6 +232,10 @@ class EngineArgs:
         check=at_least(0), offline=False)  # fmt: skip
     responses_store_ttl: float = option(3600.0, "server", "seconds a stored response is kept "
         "after it was made", check=positive(" seconds"), offline=False)  # fmt: skip
+    http_keep_alive_timeout: float = option(65.0, "server", "seconds an idle HTTP "
+        "connection is kept open for its next request; longer than the clients' own idle "
+        "expiry (httpx and the openai client: 5 s), so a client never sends on a connection "
+        "the server is closing", check=positive(" seconds"), offline=False)  # fmt: skip
     shutdown_timeout: float = option(30.0, "server", "on SIGTERM, seconds in-flight requests may "
         "take before they are aborted (on a cluster worker: SIGTERM drains the whole cluster, "
         "and the worker waits this long plus 15 s for the master to shut it down)",

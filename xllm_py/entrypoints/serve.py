@@ -138,6 +138,7 @@ def build_server(a: EngineArgs) -> tuple[DrainingServer, object]:
             port=a.port,
             log_level=a.log_level,
             timeout_graceful_shutdown=SHUTDOWN_FLUSH_S,
+            timeout_keep_alive=a.http_keep_alive_timeout,
             access_log=a.log_level == "debug",
         ),
         engine,
