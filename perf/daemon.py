@@ -134,6 +134,15 @@ class Daemon:
             if n == name and all(have.get(k) == x for k, x in labels.items())
         )  # fmt: skip
 
+    def settled_metric(self, name: str, want: float, timeout: float = 30.0, **labels) -> float:
+        """`metric(name)` once it reads `want`, or its last reading after `timeout` seconds:
+        gauges a step or an abort changes are published when the engine core reports them,
+        a few milliseconds after the HTTP answer that caused them."""
+        deadline = time.monotonic() + timeout
+        while (got := self.metric(name, **labels)) != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return got
+
     def __enter__(self):
         return self
 
