@@ -27,9 +27,8 @@ $(STAMP): pyproject.toml
 # Two pytest-xdist workers, a test file each at a time (module-scoped servers are started
 # once); PYTEST_WORKERS=0 runs the suite in this process, one test after another.
 PYTEST_WORKERS ?= 2
-# The tests marked `slow` (graph exactness at scale, 2-rank TP and DP attention in graph mode,
-# about 35 minutes)
-# are left out: `make test-slow`.
+# The tests marked `slow` (graph exactness at scale; 2-rank TP, DP attention and the two-node
+# cluster in graph mode: about 40 minutes) are left out: `make test-slow`.
 # Triton kernels run in Triton's interpreter here (on CPU tensors; a GPU's too, if any).
 test: setup
 	TRITON_INTERPRET=1 $(VPY) -m pytest tests -m "not slow" $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)

@@ -321,6 +321,7 @@ def test_two_node_greedy_equals_one_node(layout, k, offline_greedy):
         assert c.worker.wait(30) == 0, c.worker.output()
 
 
+@pytest.mark.slow  # both ranks compile 3 graphs: 2-4 minutes of a 2-core machine
 def test_two_node_graph_mode_equals_one_node(offline_greedy):
     """Graph mode on both ranks of a TP replica with partitioned experts (the "ep" layout:
     all-reduces of attention and MoE inside the graphs), MTP k = 1: the offline API's output."""

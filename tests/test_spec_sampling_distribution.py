@@ -16,9 +16,10 @@ With the bug those runs exist for put back (a draft scored by the drawn token's 
 probability q(d), speculative/confidence.py) the T = 0.7, k = 1 run fails at positions
 1-3 with p < 1e-7 (TV 0.10-0.15 from plain decoding).
 
-The threshold is calibrated by plain against plain (two seeds): it passes, while a
-verifier that judges drafts by an unnormalised min-p distribution, or by the raw softmax
-instead of the processed one, fails here by many orders of magnitude. Verifying sampled
+The threshold is calibrated by plain against plain (two seeds, at T = 1.0 and at T = 0.7
+with top-k/top-p): it passes, while a verifier that judges drafts by an unnormalised
+min-p distribution, or by the raw softmax instead of the processed one, fails here by
+many orders of magnitude. Verifying sampled
 drafts as if they were greedy (one-hot q) stays exact given the draft, so it passes
 here; it is caught by the acceptance rate in tests/test_rejection_sampler.py. Position 0
 comes from the prefill (no draft is involved); positions 1..4 come through verification,
@@ -137,7 +138,9 @@ def plain(ids):
     return {s: sample(ids, s, 0, seed=1)[0] for s in SETTINGS}
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
+# The threshold on the least and the most concentrated distributions (suite time: each
+# run is 2,000 requests; the other settings' speculative runs pass at the same threshold)
+@pytest.mark.parametrize("setting", ["t1.0", "t0.7-topk12-topp0.9"])
 def test_plain_against_plain_passes_the_threshold(ids, plain, setting):
     other, _ = sample(ids, setting, 0, seed=2)
     assert other != plain[setting]  # two independent samples, not one sample twice
