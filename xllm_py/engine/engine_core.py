@@ -124,7 +124,10 @@ class EngineCore(EngineCoreClient):
             self.scheduler.record_step_time(self._timed[0], now - self._timed[1])
         self._timed = (sched, now) if sched.num_scheduled_tokens else None
         result = self.executor.execute(sched)
-        return self.scheduler.update(sched, result)
+        outputs = self.scheduler.update(sched, result)
+        if not self.scheduler.has_unfinished():
+            self._timed = None  # the next step starts after an idle wait: not this step's
+        return outputs
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -84,8 +84,8 @@ class Scheduler:
         self._forget: set[str] = set()  # ids the worker must drop at the next step
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
-        # a step, and the tokens it was expected to emit (the confidence policy's chances)
-        self._expected: tuple[SchedulerOutput, float] | None = None
+        # a step, and the tokens it emitted (the confidence policy's gate rates steps by them)
+        self._emitted: tuple[SchedulerOutput, int] | None = None
         self._drafted_before: bool | None = None  # whether the last timed step drafted
 
     # ---- request lifecycle --------------------------------------------------------------------
@@ -287,7 +287,7 @@ class Scheduler:
         if self.adaptive is not None:
             self.adaptive.observe_acceptance(judged)
         if self.confidence is not None:
-            self._expected = (sched, len(judged) + self.confidence.expected_gain(scored))
+            self._emitted = (sched, sum(1 + accepted for _, accepted in judged))
             self.confidence.observe_acceptance(scored)
         return outputs
 
@@ -308,14 +308,14 @@ class Scheduler:
 
     def record_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
         """Feed the confidence policy the cost of every decode step (no prompt chunk), with
-        the tokens it expected the step to emit and whether it and the step before ran the
-        MTP passes, and adaptive speculation the cost of a clean step: every request decoding
+        the tokens the step emitted and whether it and the step before ran the MTP passes,
+        and adaptive speculation the cost of a clean step: every request decoding
         and verifying exactly the drafts the step also asked for (no change of k between
         this step and the one before)."""
         drafted = sched.num_draft_tokens != 0
         steady, self._drafted_before = self._drafted_before == drafted, drafted
-        known = self._expected is not None and self._expected[0] is sched
-        tokens = self._expected[1] if known else 0.0
+        known = self._emitted is not None and self._emitted[0] is sched
+        tokens = self._emitted[1] if known else 0
         if self.confidence is not None and sched.num_scheduled_tokens and not sched.new_requests:
             spec = sched.spec_token_ids
             if all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):

@@ -156,12 +156,6 @@ class ConfidencePolicy:
         seconds = max(s0 + (s_req + max(s_row, 0.0)) * requests, 1e-9)
         return min(max(s_row, 0.0), seconds / max(requests, 1)), seconds
 
-    def expected_gain(self, results: list[tuple[list[float], int]]) -> float:
-        """Tokens a step's verified drafts (their scores, per request) were expected to add:
-        the sum of their C_j. The gate rates drafting steps by this rather than by the
-        tokens they happened to emit: the same mean, far less noise at small batches."""
-        return sum(sum(self.runs(scores)) for scores, _ in results)
-
     # ---- what the step reports ------------------------------------------------------------
 
     def observe_acceptance(self, results: list[tuple[list[float], int]]) -> None:
@@ -181,7 +175,7 @@ class ConfidencePolicy:
         self, requests: int, rows: int, seconds: float, tokens: float, drafted: bool, steady: bool
     ) -> None:
         """A decode step (no prompt chunk): `requests` requests, `rows` verification rows,
-        `tokens` it was expected to emit (requests + expected_gain); `drafted`: it ran the
+        `tokens` it emitted (one per request and its accepted drafts); `drafted`: it ran the
         MTP passes; `steady`: so did the step before it (or neither did)."""
         if drafted:
             self.cost.observe(requests, rows, seconds)

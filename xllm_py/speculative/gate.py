@@ -4,43 +4,45 @@ A step that drafts runs the MTP passes for every decoding request and verifies t
 drafts the step before proposed (as many as speculative/confidence.py's plan keeps); a
 step that does not is a plain decoding step: the MTP passes are skipped, so the next step
 has nothing to verify. Which one emits more tokens per second depends on the model (on
-the bundled small model an MTP pass costs a quarter of a target step, on DeepSeek-V3 a
-sixtieth), the device, the batch size and the text, so the gate measures both kinds:
+a small model an MTP pass, with its full-vocabulary head, costs a large share of a target
+step; on DeepSeek-V3 about a sixtieth), the device, the batch size and the text, so the
+gate measures both, as a user would: tokens emitted per second.
 
-    cost     seconds of a step, start to next start (the passes and the engine's own work
-             around them, as speculative/adaptive.py times its steps), fitted per kind as
-             S(R) = a + b * R over the batch sizes R measured (least squares, decayed by
-             FIT_DECAY per step of that kind): every batch size informs the others, and a
-             step far above the fit (a collector pause, another thread) is clipped to
-             CLIP times it before it counts
-    yield    tokens a step was expected to emit per request: 1 without drafts; with them,
-             1 plus the chances of its verified drafts (speculative/confidence.py's
-             calibrated C_j: the mean of the tokens emitted, without the noise of each
-             step's few acceptances), the mean of the last WINDOW drafting steps of the
-             batch-size bucket (speculative/adaptive.py's buckets: 1, 2, 3-4, 5-8, ...),
-             since the plan keeps fewer drafts under load
-    rate     R * yield / S(R), per kind, at the step's batch size
+The gate decides for a PERIOD of steps at a time, not step by step: a decision per step
+follows the batch size from one step to the next (a request finishing, the next one
+admitted) and pays a switch each time, which no step measures. A period's sample is
 
-Only steady decode steps count: no prompt chunk in the step, and the step before drafted
-or not as this one does (the step that turns drafting on pays for passes whose drafts the
-next step verifies; the one that turns it off verifies drafts it did not pay for).
+    rate     tokens the period's steady decode steps emitted (accepted drafts plus one
+             per request) / their seconds (start to next start: the passes and the
+             engine's own work around them, as speculative/adaptive.py times steps),
+             divided by their mean batch size: tokens per second per request
 
-Each bucket first holds each kind for HOLD steps (drafting first), then runs the kind
-with the higher rate; drafting must beat plain decoding by MARGIN to take over, and keeps
-the step while it is not slower, so MTP is never chosen on a measurement that cannot
-tell it from plain. Every EXPLORE_EVERY steps of a bucket (up to 8 times that, the more
-the kinds' rates differ) the other kind is held for HOLD steps, so its fit stays
-current: a workload that starts to accept drafts (or stops) is noticed within some
-hundreds of steps. What exploring costs when drafting does not pay: HOLD steps in
-EXPLORE_EVERY x (1 + gap in tenths) at a rate lower by that gap.
+Steady decode steps: no prompt chunk in the step (its cost is the prompt's), and the step
+before drafted or not as this one does (the step that turns drafting on pays for passes
+whose drafts the next step verifies; the one that turns it off verifies drafts it did not
+pay for). A period with fewer than PERIOD / 2 of them (prompts arriving) is not counted.
 
-Whether a step drafts depends on batch sizes and timings only, never on any draft, so
-the gate cannot bias the output (speculative/confidence.py says why that matters).
-While drafting is off the decoding requests' MTP latent cache gets no entries for the
-positions they decode; drafts proposed after the gate turns it back on attend over
-those slots as they are (lossless still, acceptance lower on those requests), as with
-adaptive k = 0. Prompt chunks always run the MTP layer, so a request admitted while
-drafting is off drafts well once it is on.
+Samples are kept per batch-size bucket (speculative/adaptive.py's: 1, 2, 3-4, 5-8, ...),
+the last KEEP of each kind; a bucket's rate of a kind is their median (a collector pause
+or another process moves one sample, not the decision). A period's bucket is the batch
+size at its start. Each bucket first measures each kind for MEASURE periods (drafting
+first), then runs the kind with the higher rate: drafting must beat plain decoding by
+MARGIN to take over, and keeps the bucket while it is not slower, so MTP is never chosen
+on a measurement that cannot tell it from plain. Every EXPLORE_EVERY periods of a bucket
+(up to 8 times that, the more the kinds' rates differ) the other kind runs one period,
+so its rate stays current; a trial that measures faster than the incumbent is run again
+at once, so two fresh samples of three decide, not the stale ones: a workload that starts
+to accept drafts (or stops) is noticed within some hundreds of steps. What exploring
+costs when drafting does not pay: one period in EXPLORE_EVERY x (1 + gap in tenths), at
+a rate lower by that gap (at a gap of 20%: one period in 24, about 0.8% of the tokens).
+
+Whether a step drafts depends on batch sizes, timings and the tokens earlier steps
+emitted, never on a draft the step verifies, so the gate cannot bias the output
+(speculative/confidence.py says why that matters). While drafting is off the decoding
+requests' MTP latent cache gets no entries for the positions they decode; drafts
+proposed after the gate turns it back on attend over those slots as they are (lossless
+still, acceptance lower on those requests), as with adaptive k = 0. Prompt chunks always
+run the MTP layer, so a request admitted while drafting is off drafts well once it is on.
 """
 
 from __future__ import annotations
@@ -53,107 +55,107 @@ from xllm_py.speculative.adaptive import batch_bucket
 
 logger = logging.getLogger(__name__)
 
-HOLD = 4  # steps a trial holds one kind: a transition, then HOLD - 1 steady samples
-EXPLORE_EVERY = 96  # bucket steps between trials of the kind not running
-WINDOW = 12  # drafting yields kept per bucket
-FIT_DECAY = 0.98  # the cost fits, per step of their kind: a window of about 50 steps
-CLIP = 2.0  # a step over CLIP times its fitted cost counts as CLIP times it
+PERIOD = 16  # steps one decision holds
+MEASURE = 3  # periods of each kind a bucket measures before it compares them
+KEEP = 3  # rate samples kept per bucket and kind
+EXPLORE_EVERY = 8  # bucket periods between trials of the kind not running
 MARGIN = 0.03  # drafting must measure this much faster than plain decoding to take over
 
 
-class _CostFit:
-    """S(R) = a + b * R for one kind of step, by decayed least squares."""
-
-    def __init__(self) -> None:
-        self.n = self.sx = self.sxx = self.sy = self.sxy = 0.0
-
-    def observe(self, requests: int, seconds: float) -> None:
-        guess = self.predict(requests)
-        if guess is not None:
-            seconds = min(seconds, CLIP * guess)
-        x = float(requests)
-        self.n = self.n * FIT_DECAY + 1.0
-        self.sx = self.sx * FIT_DECAY + x
-        self.sxx = self.sxx * FIT_DECAY + x * x
-        self.sy = self.sy * FIT_DECAY + seconds
-        self.sxy = self.sxy * FIT_DECAY + x * seconds
-
-    def predict(self, requests: int) -> float | None:
-        """Seconds of a step of `requests` requests; None before HOLD - 1 steps. Batch
-        sizes with no spread fit a flat cost per request (b = mean / R, a = 0)."""
-        if self.n < HOLD - 1 - 1e-9:
-            return None
-        mean_x, mean_y = self.sx / self.n, self.sy / self.n
-        spread = self.sxx / self.n - mean_x * mean_x
-        if spread < 0.25:  # (nearly) one batch size so far: cost in proportion to it
-            return max(mean_y * requests / max(mean_x, 1.0), 1e-9)
-        b = (self.sxy / self.n - mean_x * mean_y) / spread
-        return max(mean_y + b * (requests - mean_x), 1e-9)
+@dataclass
+class _Period:
+    drafting: bool
+    bucket: int
+    left: int = PERIOD
+    steps: int = 0  # steady decode steps measured
+    requests: int = 0  # their batch sizes, summed
+    tokens: float = 0.0
+    seconds: float = 0.0
 
 
 @dataclass
 class _Bucket:
-    samples: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
-    yields: list[float] = field(default_factory=list)  # drafting steps' yield per request
-    steps: int = 0  # steps chosen in this bucket
-    trial: tuple[bool, int] | None = None  # (kind, steps left)
+    rates: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
+    periods: int = 0  # periods started in this bucket
     incumbent: bool | None = None  # the kind this bucket runs between trials
+    confirm: bool = False  # the last trial measured faster than the incumbent: run another
 
 
 class DraftGate:
     def __init__(self) -> None:
         self.buckets: dict[int, _Bucket] = {}
-        self.fits = {True: _CostFit(), False: _CostFit()}  # drafting, plain
+        self.period: _Period | None = None
         self.steps = {True: 0, False: 0}  # steps chosen with drafting on and off
 
     def drafting(self, requests: int) -> bool:
         """Whether the next step, with `requests` requests running, drafts."""
         if requests == 0:
             return True
-        bucket = self.buckets.setdefault(batch_bucket(requests), _Bucket())
-        bucket.steps += 1
-        kind = self._next(bucket, requests)
-        self.steps[kind] += 1
-        return kind
+        if self.period is None or self.period.left == 0:
+            self._close()
+            self.period = self._open(requests)
+        self.period.left -= 1
+        self.steps[self.period.drafting] += 1
+        return self.period.drafting
 
-    def _next(self, bucket: _Bucket, requests: int) -> bool:
-        if bucket.trial is not None:
-            kind, left = bucket.trial
-            bucket.trial = (kind, left - 1) if left > 1 else None
-            return kind
+    def observe(self, requests: int, drafting: bool, tokens: float, seconds: float) -> None:
+        """A steady decode step of `requests` requests that emitted `tokens` tokens."""
+        p = self.period
+        if p is None or drafting != p.drafting:
+            return
+        p.steps += 1
+        p.requests += requests
+        p.tokens += tokens
+        p.seconds += seconds
+
+    def rates(self, bucket: _Bucket) -> tuple[float, float] | None:
+        """Tokens per second per request (drafting, plain), once both are measured."""
+        on, off = bucket.rates[True], bucket.rates[False]
+        if len(on) < MEASURE or len(off) < MEASURE:
+            return None
+        return statistics.median(on), statistics.median(off)
+
+    # ---- periods --------------------------------------------------------------------------
+
+    def _open(self, requests: int) -> _Period:
+        key = batch_bucket(requests)
+        bucket = self.buckets.setdefault(key, _Bucket())
+        bucket.periods += 1
         for kind in (True, False):
-            if bucket.samples[kind] < HOLD - 1:
-                return self._start_trial(bucket, kind)
-        best = self.best(bucket, requests)
-        if bucket.steps % self._explore_every(bucket, requests) == 0:
-            return self._start_trial(bucket, not best)
-        return best
+            if len(bucket.rates[kind]) < MEASURE:
+                return _Period(kind, key)
+        best = self._best(bucket, requests)
+        explore = bucket.confirm or bucket.periods % self._explore_every(bucket) == 0
+        bucket.confirm = False
+        return _Period(best != explore, key)
 
-    def _explore_every(self, bucket: _Bucket, requests: int) -> int:
-        """EXPLORE_EVERY steps, times 1 + the measured gap between the kinds in tenths: a
-        kind 30% slower is re-measured every 4 x EXPLORE_EVERY steps, since a trial of it
+    def _close(self) -> None:
+        p = self.period
+        if p is None or p.steps < PERIOD // 2 or p.seconds <= 0.0:
+            return
+        bucket = self.buckets[p.bucket]
+        rate = p.tokens / p.seconds / (p.requests / p.steps)
+        rates = self.rates(bucket)
+        if rates is not None and bucket.incumbent is not None and p.drafting != bucket.incumbent:
+            on, off = rates  # a trial: faster than the incumbent? then confirm it at once
+            bucket.confirm = rate > off * (1.0 + MARGIN) if p.drafting else rate > on
+        samples = bucket.rates[p.drafting]
+        samples.append(rate)
+        del samples[:-KEEP]
+
+    def _explore_every(self, bucket: _Bucket) -> int:
+        """EXPLORE_EVERY periods, times 1 + the measured gap between the kinds in tenths: a
+        kind 30% slower is re-measured every 4 x EXPLORE_EVERY periods, since a trial of it
         costs in proportion to the gap and is less likely to change the decision."""
-        rates = self.rates(bucket, requests)
+        rates = self.rates(bucket)
         if rates is None:
             return EXPLORE_EVERY
-        gap = abs(rates[0] / max(rates[1], 1e-9) - 1.0)
+        gap = abs(rates[0] / max(rates[1], 1e-12) - 1.0)
         return EXPLORE_EVERY * (1 + min(int(gap * 10), 7))
 
-    @staticmethod
-    def _start_trial(bucket: _Bucket, kind: bool) -> bool:
-        bucket.trial = (kind, HOLD - 1)
-        return kind
-
-    def rates(self, bucket: _Bucket, requests: int) -> tuple[float, float] | None:
-        """Tokens per second at this batch size (drafting, plain), once both are measured."""
-        on, off = self.fits[True].predict(requests), self.fits[False].predict(requests)
-        if on is None or off is None or not bucket.yields:
-            return None
-        return requests * statistics.fmean(bucket.yields) / on, requests / off
-
-    def best(self, bucket: _Bucket, requests: int) -> bool:
+    def _best(self, bucket: _Bucket, requests: int) -> bool:
         """Drafting if it measures MARGIN faster, or is the incumbent and not slower."""
-        rates = self.rates(bucket, requests)
+        rates = self.rates(bucket)
         if rates is None:
             return bucket.incumbent is not False
         on, off = rates
@@ -164,17 +166,8 @@ class DraftGate:
                 "without, as measured)",
                 requests,
                 "on" if drafting else "off",
-                on,
-                off,
+                on * requests,
+                off * requests,
             )
         bucket.incumbent = drafting
         return drafting
-
-    def observe(self, requests: int, drafting: bool, tokens: float, seconds: float) -> None:
-        """A steady decode step of `requests` requests, expected to emit `tokens` tokens."""
-        bucket = self.buckets.setdefault(batch_bucket(requests), _Bucket())
-        bucket.samples[drafting] += 1
-        self.fits[drafting].observe(requests, seconds)
-        if drafting:
-            bucket.yields.append(tokens / requests)
-            del bucket.yields[:-WINDOW]
