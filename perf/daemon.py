@@ -134,14 +134,21 @@ class Daemon:
             if n == name and all(have.get(k) == x for k, x in labels.items())
         )  # fmt: skip
 
-    def settled_metric(self, name: str, want: float, timeout: float = 30.0, **labels) -> float:
-        """`metric(name)` once it reads `want`, or its last reading after `timeout` seconds:
-        gauges a step or an abort changes are published when the engine core reports them,
-        a few milliseconds after the HTTP answer that caused them."""
-        deadline = time.monotonic() + timeout
-        while (got := self.metric(name, **labels)) != want and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return got
+    def settle(self, timeout: float) -> dict:
+        """Poll the gauges until nothing runs, waits or holds a KV block, or `timeout` passes
+        (a step or an abort reaches them when the engine core reports it, a few milliseconds
+        after the HTTP answer it caused); the last readings and the seconds waited."""
+        t0 = time.monotonic()
+        while True:
+            g = {
+                "running": self.metric("xllm:num_requests_running"),
+                "waiting": self.metric("xllm:num_requests_waiting"),
+                "kv_cache_usage": self.metric("xllm:kv_cache_usage_perc"),
+            }  # fmt: skip
+            waited = time.monotonic() - t0
+            if not any(g.values()) or waited > timeout:
+                return g | {"settled_after_s": round(waited, 2)}
+            time.sleep(0.25)
 
     def __enter__(self):
         return self

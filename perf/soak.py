@@ -473,21 +473,6 @@ def counters(server: Server) -> dict[str, float]:
     }
 
 
-def settle(server: Server, timeout: float) -> dict:
-    """Poll the gauges until nothing runs, waits or holds a KV block, or `timeout` passes."""
-    t0 = time.monotonic()
-    while True:
-        g = {
-            "running": server.metric("xllm:num_requests_running"),
-            "waiting": server.metric("xllm:num_requests_waiting"),
-            "kv_cache_usage": server.metric("xllm:kv_cache_usage_perc"),
-        }  # fmt: skip
-        waited = time.monotonic() - t0
-        if not any(g.values()) or waited > timeout:
-            return g | {"settled_after_s": round(waited, 2)}
-        time.sleep(0.25)
-
-
 def failures(specs: list[Spec], outcomes: list[Outcome]) -> list[dict]:
     bodies = [{k: v for k, v in s.body.items() if k not in ("prompt", "messages")} for s in specs]
     return [
@@ -579,7 +564,7 @@ def soak(args, specs: list[Spec], probes: list[Spec], flags: list[str]) -> dict:
     try:
         before = counters(server)
         phase = asyncio.run(_client_phase(server, specs, probes, args))
-        gauges = settle(server, 60.0)
+        gauges = server.settle(60.0)
         phase["rss"].stop()
         after = counters(server)
         healthy = httpx.get(server.url + "/health", timeout=10).status_code == 200
