@@ -121,11 +121,11 @@ class DraftGate:
         key = batch_bucket(requests)
         bucket = self.buckets.setdefault(key, _Bucket())
         bucket.periods += 1
-        for kind in (True, False):
-            if len(bucket.rates[kind]) < MEASURE:
-                return _Period(kind, key)
-        best = self._best(bucket, requests)
-        explore = bucket.confirm or bucket.periods % self._explore_every(bucket) == 0
+        rates = self.rates(bucket)
+        if rates is None:  # each kind measured first, drafting first
+            return _Period(len(bucket.rates[True]) < MEASURE, key)
+        best = self._best(bucket, rates, requests)
+        explore = bucket.confirm or bucket.periods % self._explore_every(rates) == 0
         bucket.confirm = False
         return _Period(best != explore, key)
 
@@ -143,21 +143,17 @@ class DraftGate:
         samples.append(rate)
         del samples[:-KEEP]
 
-    def _explore_every(self, bucket: _Bucket) -> int:
+    @staticmethod
+    def _explore_every(rates: tuple[float, float]) -> int:
         """EXPLORE_EVERY periods, times 1 + the measured gap between the kinds in tenths: a
         kind 30% slower is re-measured every 4 x EXPLORE_EVERY periods, since a trial of it
         costs in proportion to the gap and is less likely to change the decision."""
-        rates = self.rates(bucket)
-        if rates is None:
-            return EXPLORE_EVERY
         gap = abs(rates[0] / max(rates[1], 1e-12) - 1.0)
         return EXPLORE_EVERY * (1 + min(int(gap * 10), 7))
 
-    def _best(self, bucket: _Bucket, requests: int) -> bool:
+    @staticmethod
+    def _best(bucket: _Bucket, rates: tuple[float, float], requests: int) -> bool:
         """Drafting if it measures MARGIN faster, or is the incumbent and not slower."""
-        rates = self.rates(bucket)
-        if rates is None:
-            return bucket.incumbent is not False
         on, off = rates
         drafting = on >= off * (1.0 if bucket.incumbent else 1.0 + MARGIN)
         if drafting != bucket.incumbent:
