@@ -220,22 +220,24 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
 
 
-def test_cli(replica):
+def test_cli(replica, capsys):
+    """`python -m xllm_py.plan --help` as a user runs it; the plans through main() in this
+    process (the same parser and printer, without a second interpreter's start-up)."""
     helped = _cli("--help")
     assert helped.returncode == 0
     for flag in ("--model", "--devices", "--tp", "--ep", "--device_memory_gb", "--block_size",
                  "--max_memory_utilization", "--activation_reserve_gb", "--weight_dtype",
                  "--num_speculative_tokens", "--dp_attention"):  # fmt: skip
         assert flag in helped.stdout
-    run = _cli("--model", str(replica), "--devices", "8", "--tp", "8", "--ep", "8",
-               "--device_memory_gb", "141", "--num_speculative_tokens", "1")  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    common = ["--model", str(replica), "--devices", "8", "--tp", "8", "--ep", "8"]
+    assert main([*common, "--device_memory_gb", "141", "--num_speculative_tokens", "1"]) == 0
+    out = capsys.readouterr().out
     per_token = "per token  62 cache layers x (512 latent + 64 roped key) x 2 B = 71,424 B"
     for line in ("671.03 B", per_token, "tp 8, ep 8"):
-        assert line in run.stdout
+        assert line in out
     # the default is the engine's (EngineArgs): no MTP layer, one cache layer fewer
-    run = _cli("--model", str(replica), "--devices", "8", "--tp", "8", "--ep", "8")
-    assert run.returncode == 0 and "per token  61 cache layers" in run.stdout, run.stderr
+    assert main(common) == 0
+    assert "per token  61 cache layers" in capsys.readouterr().out
 
 
 def _row(text: str, label: str) -> list[str]:

@@ -135,6 +135,50 @@ def test_top_p_matches_reference_on_random_rows():
     assert checked > 50
 
 
+def _sorted_reference(logits, top_k, top_p):
+    """The filters by a stable sort of the whole vocabulary (what _filter_top_k_top_p gives
+    while sorting only the candidates): top-k by value, ties kept; the nucleus over the
+    float32 probabilities after top-k, equal ones in vocabulary order."""
+    V = logits.shape[1]
+    out = []
+    for row in range(logits.shape[0]):
+        x = logits[row]
+        k = min(int(top_k[row]), V)
+        keep = x >= x.sort(descending=True).values[k - 1]
+        probs = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
+        if top_p[row] < 1:
+            top, order = probs.sort(descending=True, stable=True)
+            inside = top.cumsum(0) - top < top_p[row]
+            keep = torch.zeros(V, dtype=torch.bool)
+            keep[order[inside]] = True
+        out.append(set(torch.nonzero(keep).flatten().tolist()))
+    return out
+
+
+def test_sorting_only_the_candidates_keeps_what_a_full_sort_keeps():
+    """Many rows over a vocabulary of 3,000 (the candidates are doubled from 64 for rows
+    without top-k), logits on a grid of 0.25 so equal probabilities straddle every cut:
+    the kept sets equal a full stable sort's, row by row."""
+    g = torch.Generator().manual_seed(5)
+    R, V = 96, 3000
+    logits = (torch.randn(R, V, generator=g) * 3 / 0.25).round() * 0.25
+    top_k = torch.randint(1, 200, (R,), generator=g)
+    top_k[::3] = V  # no top-k on every third row
+    top_p = torch.rand(R, generator=g) * 0.99 + 0.005
+    top_p[::4] = 1.0  # no top-p on every fourth
+    out = _filter_top_k_top_p(logits.clone(), top_k, top_p)
+    assert [kept(r) for r in out] == _sorted_reference(logits, top_k, top_p)
+    only_p = _filter_top_k_top_p(logits.clone(), None, top_p)
+    assert [kept(r) for r in only_p] == _sorted_reference(logits, torch.full((R,), V), top_p)
+    # 100 equal tokens among 3,000 and a nucleus of 64 of them: the first 64 in vocabulary
+    # order, whichever the top 65 by value happen to be
+    flat = torch.full((1, V), -30.0)
+    flat[0, torch.randperm(V, generator=g)[:100]] = 0.0
+    nucleus = kept(_filter_top_k_top_p(flat.clone(), None, torch.tensor([0.635]))[0])
+    assert nucleus == _sorted_reference(flat, torch.tensor([V]), torch.tensor([0.635]))[0]
+    assert len(nucleus) == 64
+
+
 def test_top_p_applies_to_the_distribution_left_by_top_k():
     probs = [0.4, 0.3, 0.2, 0.1]
     logits = log_probs(probs).unsqueeze(0)

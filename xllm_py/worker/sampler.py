@@ -167,17 +167,56 @@ def _processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def _filter_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Mask (-inf) tokens outside each row's top-k and nucleus; vocabulary order is kept."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    """Mask (-inf) tokens outside each row's top-k and nucleus; vocabulary order is kept.
+
+    Top-k keeps the tokens at or above the row's k-th largest logit (ties included). The
+    nucleus keeps, in descending order of probability after top-k (equal ones in
+    vocabulary order), each token whose mass before it is below top_p (the top token
+    always: its mass before is 0). Only the candidates are sorted: the largest top-k's
+    worth, and for top-p the n most probable tokens, n doubled until their mass reaches
+    every row's top_p (every token after them has at least that much mass before it, so is
+    outside) and no token inside the nucleus ties one after them. A full sort of the
+    vocabulary per row was most of a sampled step on CPU (2,048 rows x 8,208 tokens: 1.6 s,
+    against 50 ms for their top 12). On other devices n is the vocabulary at once: reading
+    the masses back to decide would stop the host for the device."""
+    vocab = logits.shape[1]
+    on_cpu = logits.device.type == "cpu"
+    drop, width = None, vocab
     if top_k is not None:
-        k = top_k.clamp(1, logits.shape[1])  # a top_k beyond the vocabulary keeps everything
-        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-        drop |= sorted_logits < kth
-    if top_p is not None:
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # The top token always survives (mass_before 0). Rows at top_p == 1 are left alone:
-        # float32 cumsums reach 1.0 before the tail and would drop tokens there.
-        drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
-    return logits.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+        k = top_k.clamp(1, vocab)  # a top_k beyond the vocabulary keeps everything
+        width = int(k.max()) if on_cpu else vocab
+        kth = logits.topk(width, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+        drop = logits < kth
+    if top_p is None:
+        return logits if drop is None else logits.masked_fill(drop, float("-inf"))
+    masked = logits if drop is None else logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(masked, dim=-1)
+    # Rows at top_p == 1 are left alone: float32 cumsums reach 1.0 before the tail and
+    # would drop tokens there.
+    active = top_p < 1
+    n = vocab if not on_cpu else width if width < vocab else min(64, vocab)
+    while True:
+        top, order, tied = _top_candidates(probs, n)
+        mass = top.cumsum(dim=-1)
+        last_inside = mass[:, -1] - top[:, -1] < top_p
+        more = (mass[:, -1] < top_p) | (tied & last_inside)
+        if n == vocab or not bool(more[active].any()):
+            break
+        n = min(2 * n, vocab)
+    outside = (mass - top >= top_p.unsqueeze(1)) & active.unsqueeze(1)
+    nucleus = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, ~outside)
+    outside = ~nucleus & active.unsqueeze(1)
+    return logits.masked_fill(outside if drop is None else drop | outside, float("-inf"))
+
+
+def _top_candidates(probs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's n largest probabilities, descending with equal ones in vocabulary order,
+    their token ids, and whether the n-th equals the next one (bool [R]): then which of the
+    equal ones come first is not known from these n."""
+    m = min(n + 1, probs.shape[1])
+    top, order = probs.topk(m, dim=-1)
+    order, perm = order.sort(dim=-1)  # by token id, then stably by probability
+    top, perm = top.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+    order = order.gather(1, perm)
+    tied = top[:, n - 1] == top[:, n] if m > n else torch.zeros_like(top[:, 0], dtype=torch.bool)
+    return top[:, :n], order[:, :n], tied
