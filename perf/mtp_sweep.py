@@ -10,8 +10,9 @@ server, warms it up, runs perf/bench_serving.py at every --concurrency on the sa
 prompts and settings (greedy, ignore_eos), and stops it. --peer (perf/peers.py): vLLM plain
 and with deepseek_mtp at each --k, llama.cpp's llama-server with a slot per request in
 flight; each peer's greedy tokens on held-out prompts are compared with ours before it is
-benchmarked. --launch replaces our daemon with any command ({port} and {k} substituted; it
-must serve /health; one that returns needs --launch-stop).
+benchmarked; a peer that fails is noted and the sweep goes on. --launch replaces our
+daemon with any command ({port} and {k} substituted; it must serve /health; one that
+returns needs --launch-stop).
 Scales: full = 2500 in / 1500 out, 80 requests per level; cpu = 256 / 128,
 max(24, 2 x concurrency). Writes to --result-dir results.md (per method and concurrency:
 TPOT, TTFT, tokens/s, speedup over the baseline, acceptance length and per draft position,
@@ -245,6 +246,33 @@ def run_method(args, m: Method, raw: Path, peer: dict) -> tuple[dict[int, dict],
     return results, agree
 
 
+def run_methods(args, methods: list[Method], raw: Path, peer: dict):
+    """Each method's results by concurrency, the peers' agreement, and the peer methods that
+    did not run, with why: a peer that fails (its server does not start, or errs; vLLM's
+    CPU attention cannot run every model) is noted and the sweep goes on, and the peer's
+    later methods are not started. A failure of ours ends the sweep: it is the result."""
+    results: dict[str, dict[int, dict]] = {}
+    agree: dict[str, dict] = {}
+    failed: dict[str, str] = {}
+    broken: dict[str, str] = {}  # peer engine -> the method that failed
+    for m in methods:
+        if m.engine in broken:
+            failed[m.name] = f"Not started: {broken[m.engine]} failed."
+            continue
+        try:
+            results[m.name], a = run_method(args, m, raw, peer)
+        except Exception as e:
+            if m.engine is None:
+                raise
+            first = str(e).splitlines()[0] if str(e) else ""
+            failed[m.name] = f"{type(e).__name__}: {first} (log: server_{m.tag}.log)"
+            broken[m.engine] = m.name
+            print(f"   {m.name} failed, the sweep goes on: {failed[m.name]}", flush=True)
+            continue
+        agree |= {m.name: a} if a else {}
+    return results, agree, failed
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parser(__doc__, FLAGS).parse_args(argv)
     if args.adaptive and args.launch:
@@ -261,15 +289,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.peer:
         more, peer = peer_methods(args)
         methods += more
-    results: dict[str, dict[int, dict]] = {}
-    agree: dict[str, dict] = {}
-    for m in methods:
-        results[m.name], a = run_method(args, m, raw, peer)
-        agree |= {m.name: a} if a else {}
+    results, agree, failed = run_methods(args, methods, raw, peer)
     rows = []
     for c in args.concurrency:
         base = results["baseline"][c]
         for m in methods:
+            if m.name not in results:
+                continue
             r = results[m.name][c]
             rows.append({"method": m.name, "concurrency": c,
                          "speedup": r["output_throughput"] / base["output_throughput"],
@@ -278,7 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
     cmd = command("mtp_sweep", argv)
     summary = {
         "command": cmd, "scale": args.scale, "input_len": input_len, "output_len": output_len,
-        "machine": machine(), "rows": rows, "peers": {**peer, "agreement": agree} if peer else None,
+        "machine": machine(), "rows": rows,
+        "peers": {**peer, "agreement": agree, "failed": failed} if peer else None,
         "ceiling": add_ceiling(args, rows, input_len, output_len),
     }  # fmt: skip
     (args.result_dir / "sweep.json").write_text(json.dumps(summary, indent=2))
@@ -292,6 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
         "length (perf/step_cost.py; perf/README.md says how to read it).\n\n"
         + table(rows)
         + peer_note(agree)
+        + ("\nPeers that did not run:\n" if failed else "")
+        + "".join(f"- {name}: {why}\n" for name, why in failed.items())
     )
     (args.result_dir / "results.md").write_text(md)
     plot(rows, args.result_dir / "sweep.png")

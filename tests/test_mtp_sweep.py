@@ -114,6 +114,36 @@ def test_peers_are_served_at_our_k_and_concurrency(monkeypatch, tmp_path):
         mtp_sweep.peer_methods(args)
 
 
+def test_a_peer_that_fails_is_noted_and_the_sweep_goes_on(monkeypatch, tmp_path):
+    """vLLM's CPU attention cannot serve the tiny bundled model (its latent is 64 wide): its
+    first method's error is kept, its later methods are not started, llama.cpp still runs;
+    an error of ours still ends the sweep."""
+    started = []
+
+    def run(args, m, raw, peer):
+        started.append(m.name)
+        if m.engine == "vllm" or (m.engine is None and m.name == "MTP k=1" and peer["ours_fail"]):
+            raise RuntimeError("Server error '500 Internal Server Error'\nTraceback ...")
+        return {1: {"output_throughput": 1.0}}, {"ok": True} if m.engine else None
+
+    monkeypatch.setattr(mtp_sweep, "run_method", run)
+    Method = mtp_sweep.Method
+    methods = [Method("baseline", "k0", []), Method("MTP k=1", "k1", []),
+               Method("vLLM", "vllm_k0", [], engine="vllm"),
+               Method("vLLM MTP k=1", "vllm_k1", [], engine="vllm"),
+               Method("llama.cpp (no MTP)", "llama_cpp", [], engine="llama.cpp")]  # fmt: skip
+    results, agree, failed = mtp_sweep.run_methods(None, methods, tmp_path, {"ours_fail": False})
+    assert started == ["baseline", "MTP k=1", "vLLM", "llama.cpp (no MTP)"]
+    assert list(results) == ["baseline", "MTP k=1", "llama.cpp (no MTP)"]
+    assert agree == {"llama.cpp (no MTP)": {"ok": True}}
+    assert failed == {
+        "vLLM": "RuntimeError: Server error '500 Internal Server Error' (log: server_vllm_k0.log)",
+        "vLLM MTP k=1": "Not started: vLLM failed.",
+    }
+    with pytest.raises(RuntimeError, match="500"):
+        mtp_sweep.run_methods(None, methods, tmp_path, {"ours_fail": True})
+
+
 @pytest.mark.skipif(peers.missing("llama.cpp") is not None, reason=f"{peers.missing('llama.cpp')}")
 def test_sweep_with_llama_cpp_as_peer(tmp_path):
     """--peer llama.cpp: the bundled model converted to GGUF, served by llama-server and
