@@ -187,9 +187,9 @@ def _filter_top_k_top_p(
         width = int(k.max()) if on_cpu else vocab
         kth = logits.topk(width, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
         drop = logits < kth
-    if top_p is None:
-        return logits if drop is None else logits.masked_fill(drop, float("-inf"))
     masked = logits if drop is None else logits.masked_fill(drop, float("-inf"))
+    if top_p is None:
+        return masked
     probs = torch.softmax(masked, dim=-1)
     # Rows at top_p == 1 are left alone: float32 cumsums reach 1.0 before the tail and
     # would drop tokens there.
@@ -206,7 +206,7 @@ def _filter_top_k_top_p(
     outside = (mass - top >= top_p.unsqueeze(1)) & active.unsqueeze(1)
     nucleus = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, ~outside)
     outside = ~nucleus & active.unsqueeze(1)
-    return logits.masked_fill(outside if drop is None else drop | outside, float("-inf"))
+    return masked.masked_fill(outside, float("-inf"))
 
 
 def _top_candidates(probs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
