@@ -14,7 +14,7 @@ from xllm_py import LLM, SamplingParams
 from xllm_py.config import DeviceConfig
 from xllm_py.ops.backends import select_kernels
 
-PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
 # Ragged prompts; with block_size 16 some contexts end inside a block, some span 4 blocks.
 PROMPT_LENS = (3, 17, 40, 9, 2, 33, 16, 50)
 

@@ -10,7 +10,14 @@ import os
 import pytest
 import torch
 
-from xllm_py.worker.sampler import Sampler, SamplingBatch, _filter_top_k_top_p, token_seed
+from tests.chisquare import ALPHA, goodness_of_fit
+from xllm_py.worker.sampler import (
+    BLOCK,
+    Sampler,
+    SamplingBatch,
+    _filter_top_k_top_p,
+    token_seed,
+)
 
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
@@ -216,6 +223,26 @@ def test_sampling_at_temperature_one_matches_the_distribution():
         assert abs(f - t) < 0.02, (freq, target)
 
 
+def test_unseeded_draws_follow_the_distribution_across_blocks():
+    """The two-level draw (a block of BLOCK tokens, then a token in it) over a vocabulary
+    that is not a whole number of blocks: mass in many blocks, the short last block
+    included, tokens a thousand times rarer than others, and zero-weight tokens, in a
+    zero-weight block and beside weighted ones, that are never drawn."""
+    vocab = 5 * BLOCK + 7
+    weights = torch.zeros(vocab)
+    weights[[0, 5, BLOCK - 1, BLOCK, 2 * BLOCK + 3, 5 * BLOCK + 6]] = torch.tensor(
+        [3.0, 0.004, 2.0, 1.0, 0.003, 1.5]
+    )  # block 3 and 4 hold nothing; the last token has weight
+    n = 60_000
+    rows = weights.expand(n, -1)
+    drawn = Sampler(torch.Generator().manual_seed(7)).draws(rows, make_batch(n)).pick(rows).tolist()
+    positive = weights.nonzero().squeeze(1).tolist()
+    assert set(drawn) <= set(positive)
+    total = float(weights.sum())
+    verdict = goodness_of_fit(drawn, {t: float(weights[t]) / total for t in positive})
+    assert verdict.p_value > ALPHA, verdict
+
+
 def test_temperature_sharpens_and_flattens():
     target = [0.1, 0.2, 0.3, 0.4]
     for temp in (0.5, 2.0):
@@ -347,17 +374,24 @@ def test_same_seed_same_token_regardless_of_row_and_batch():
 def test_draws_come_from_the_samplers_own_generators():
     """The engine's generator (unseeded rows) and the per-token seeds (seeded rows) decide
     every draw, uniforms for verification included; the global torch RNG does not."""
-    probs = torch.full((3, 50), 1 / 50)
+    probs = torch.full((3, 5000), 1 / 5000)
     batch = make_batch(3, seeds=[(1, token_seed(123, 4))])
-    draws = []
+
+    def draw(engine_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        draws = Sampler(torch.Generator().manual_seed(engine_seed)).draws(probs, batch)
+        return draws.uniform, torch.stack([draws.pick(probs) for _ in range(3)])
+
+    runs = []
     for global_seed in (1, 2):
         torch.manual_seed(global_seed)
-        draws.append(Sampler(torch.Generator().manual_seed(4)).draws(probs, batch))
-    (u1, n1), (u2, n2) = draws
-    assert torch.equal(u1, u2) and torch.equal(n1, n2)
-    other_engine_seed = Sampler(torch.Generator().manual_seed(5)).draws(probs, batch)
-    assert not torch.equal(other_engine_seed[1][0], n1[0])  # unseeded rows follow the engine
-    assert torch.equal(other_engine_seed[1][1], n1[1])  # seeded rows do not
+        runs.append(draw(4))
+    (u1, t1), (u2, t2) = runs
+    assert torch.equal(u1, u2) and torch.equal(t1, t2)
+    assert len(set(t1[:, 0].tolist())) == 3  # each pick of an unseeded row is a fresh draw
+    assert len(set(t1[:, 1].tolist())) == 1  # a seeded row races on one noise
+    u3, t3 = draw(5)
+    assert u3[0] != u1[0] and not torch.equal(t3[:, 0], t1[:, 0])  # unseeded: the engine's
+    assert u3[1] == u1[1] and torch.equal(t3[:, 1], t1[:, 1])  # seeded rows are not
 
 
 def test_seeded_rows_differ_across_seeds_and_token_index():

@@ -16,7 +16,7 @@ worker/sampler.py) into a distribution q. Three kinds of row:
                      emit without drafts, whatever the drafts, k or the batch. It is kept
                      with probability P(argmax q/E = argmax p/E), which is 1 when q = p
                      (a greedy draft: p(d) at most).
-  other sampling     d drawn from q with fresh noise; q is kept here, and verification
+  other sampling     d drawn from q afresh; q is kept here, and verification
                      accepts with min(1, p(d) / q(d)) and on rejection draws from
                      normalise(max(p - q, 0)) (worker/rejection_sampler.py): kept with
                      probability 1 - TV(p, q), the most any rule can keep. The output is
@@ -75,8 +75,8 @@ class DraftSampler:
         dead = ~(probs.sum(dim=-1) > 0)
         if dead.any():
             probs[dead] = 1.0 / probs.shape[1]
-        _, noise = self.sampler.draws(probs, batch)  # seeded rows: that output's noise
-        tokens = (probs / noise).argmax(dim=-1)
+        # seeded rows race on that output's noise, the others draw fresh from q
+        tokens = self.sampler.draws(probs, batch).pick(probs)
         score = probs.max(dim=-1).values
         if not batch.all_greedy:
             tokens = torch.where(batch.greedy, raw_argmax, tokens)

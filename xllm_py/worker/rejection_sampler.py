@@ -56,30 +56,31 @@ def verify(
     judge_rows = [s + j for s, d in zip(starts, drafts) for j in range(len(d))]
     flat = [t for d in drafts for t in d]
     dev = logits.device
-    uniform, noise = sampler.draws(probs, batch)  # [R], [R, V]
-    final_rows = torch.tensor([s + len(d) for s, d in zip(starts, drafts)], device=dev)
-    bonus = (probs[final_rows] / noise[final_rows]).argmax(dim=-1).tolist()
+    draws = sampler.draws(probs, batch)
+    final_rows = [s + len(d) for s, d in zip(starts, drafts)]
+    bonus = draws.pick(probs[torch.tensor(final_rows, device=dev)], final_rows).tolist()
     if not flat:
         return [[b] for b in bonus]
     rows = torch.tensor(judge_rows, device=dev)
     ids = torch.tensor(flat, device=dev)
     p = probs[rows]  # [D, V]
-    # The coupled rule: x = the token plain sampling draws at this row (the same exponential
-    # race, the same seeded noise); keep d iff d == x, else emit x.
-    coupled = (p / noise[rows]).argmax(dim=-1)
+    # The coupled rule: x = the token plain sampling draws at this row (for a seeded row the
+    # same exponential race on the same noise); keep d iff d == x, else emit x.
+    coupled = draws.pick(p, judge_rows)
     accept, recovered = coupled == ids, coupled
     if any(has_q):
-        drawn = torch.tensor([h for h, d in zip(has_q, drafts) for _ in d], device=dev)
-        q = torch.zeros_like(p).scatter_(1, ids.unsqueeze(1), 1.0)
-        q[drawn] = torch.cat([qi for qi in draft_probs if qi is not None]).to(p.dtype)
-        p_d = p.gather(1, ids.unsqueeze(1)).squeeze(1)
-        q_d = q.gather(1, ids.unsqueeze(1)).squeeze(1)
-        kept = uniform[rows] * q_d < p_d  # u < p/q without dividing by zero
+        drawn = [h for h, d in zip(has_q, drafts) for _ in d]
+        at = torch.tensor([i for i, h in enumerate(drawn) if h], device=dev)
+        q = torch.cat([qi for qi in draft_probs if qi is not None]).to(p.dtype)
+        p = p[at]
+        p_d = p.gather(1, ids[at].unsqueeze(1)).squeeze(1)
+        q_d = q.gather(1, ids[at].unsqueeze(1)).squeeze(1)
+        kept = draws.uniform[rows[at]] * q_d < p_d  # u < p/q without dividing by zero
         residual = (p - q).clamp(min=0)
         # Rows where p <= q everywhere cannot reject; keep a valid distribution there anyway.
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-        accept = torch.where(drawn, kept, accept)
-        recovered = torch.where(drawn, (residual / noise[rows]).argmax(dim=-1), recovered)
+        accept[at] = kept
+        recovered[at] = draws.pick(residual, [judge_rows[i] for i in at.tolist()])
     accept, recovered = accept.tolist(), recovered.tolist()
     out, d_at = [], 0
     for i, d in enumerate(drafts):

@@ -78,6 +78,7 @@ class RowSampling:
             return batch
         batch.all_greedy = False
         batch.greedy = torch.tensor([p.greedy for p in params], device=dev)
+        batch.some_greedy = any(p.greedy for p in params)
         batch.temperature = torch.tensor(
             [1.0 if p.greedy else p.temperature for p in params], device=dev
         )

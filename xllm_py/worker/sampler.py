@@ -13,7 +13,14 @@ Seeded rows are reproducible whatever else is in the batch: all filtering is
 row-local and done in vocabulary order, and the draw is an exponential race
 (argmax of p / E, E ~ Exp(1)) whose noise comes from a generator seeded by
 (seed, index of the output token), so it does not depend on batch position,
-on earlier steps, or on preemption.
+on earlier steps, or on preemption. The race is what lets a seeded request's draft and
+its verification row share one draw (worker/draft_sampler.py). Unseeded rows need no such
+coupling and draw by inverse CDF, in two levels: a block of BLOCK tokens in proportion to
+its mass, then a token of that block in proportion to its own. Each token's chance is
+right to float rounding relative to its own probability, as the race's is, while a
+single float32 cumsum over the vocabulary would be off by up to 1e-7 of the whole mass at
+every token. It costs one uniform per level and row instead of an exponential per token:
+2,048 rows x 8,208 tokens here, 18 ms against the race's 720 ms.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads (seed, token index) pairs over 64-bit seeds
+BLOCK = 64  # tokens per block of the unseeded rows' two-level inverse-CDF draw
 
 
 @dataclass
@@ -63,6 +71,7 @@ class SamplingBatch:
     adjust: LogitAdjust | None = None  # penalties and logit bias; None: no row has any
     # structured outputs: (packed token bitmask [G, V/32], the G rows it applies to)
     grammar: tuple[torch.Tensor, list[int]] | None = None
+    some_greedy: bool = True  # False: no row is greedy (nothing to make one-hot)
 
     @classmethod
     def greedy_rows(
@@ -91,8 +100,7 @@ class Sampler:
             tokens = greedy_tokens
         else:
             probs = _processed(logits, batch)
-            _, noise = self.draws(probs, batch)
-            tokens = torch.where(batch.greedy, greedy_tokens, (probs / noise).argmax(dim=-1))
+            tokens = torch.where(batch.greedy, greedy_tokens, self.draws(probs, batch).pick(probs))
         return (tokens, *logprob_details(logprobs, tokens, batch.max_logprobs))
 
     def greedy(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -103,19 +111,42 @@ class Sampler:
     def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The distribution each row samples from [R, V]: one-hot on greedy rows."""
         _prepare(logits, batch)
+        if not batch.some_greedy:
+            return _processed(logits, batch)
         onehot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         if batch.all_greedy:
             return onehot
         return torch.where(batch.greedy.unsqueeze(1), onehot, _processed(logits, batch))
 
-    def draws(self, probs: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, a uniform in [0, 1) and exponential race noise [V]; seeded rows draw
-        both from a generator seeded by (seed, output index)."""
-        uniform = torch.rand(probs.shape[0], generator=self.generator, device=probs.device)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, seed in batch.seeds:
-            uniform[row], noise[row] = seeded_draws(seed, probs[row])
-        return uniform, noise
+    def draws(self, probs: torch.Tensor, batch: SamplingBatch) -> Draws:
+        """The random numbers of one step's rows (probs [R, V]: their distributions)."""
+        return Draws(self.generator, probs, batch.seeds)
+
+
+class Draws:
+    """One step's random numbers, row by row: a uniform in [0, 1) (`uniform` [R]), and the
+    draws of tokens (`pick`). Unseeded rows take both from the engine's generator, fresh
+    numbers at every pick; a seeded row from a generator seeded by (seed, output index),
+    its tokens by an exponential race on one noise vector for all its picks."""
+
+    def __init__(
+        self, generator: torch.Generator | None, like: torch.Tensor, seeds: list[tuple[int, int]]
+    ) -> None:
+        self.generator = generator
+        self.uniform = torch.rand(like.shape[0], generator=generator, device=like.device)
+        self.noise: dict[int, torch.Tensor] = {}  # seeded row -> its race noise [V]
+        for row, seed in seeds:
+            self.uniform[row], self.noise[row] = seeded_draws(seed, like[row])
+
+    def pick(self, weights: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """One token per row of `weights` [n, V] (non-negative, any scale, some positive),
+        drawn in proportion to them; rows[i] is the batch row of weights[i] (None: i)."""
+        tokens = _inverse_cdf(weights, self.generator)
+        for row, noise in self.noise.items():
+            at = [row] if rows is None else [i for i, r in enumerate(rows) if r == row]
+            for i in at:
+                tokens[i] = (weights[i] / noise).argmax()
+        return tokens
 
 
 def seeded_draws(seed: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,6 +156,33 @@ def seeded_draws(seed: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     g = torch.Generator(device=like.device).manual_seed(seed)
     uniform = torch.rand((), generator=g, device=like.device)
     return uniform, torch.empty_like(like).exponential_(generator=g)
+
+
+def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """A token per row in proportion to `weights` [R, V]: a block of BLOCK tokens by its
+    mass, then a token within it (the module docstring says why two levels)."""
+    rows, vocab = weights.shape
+    full = vocab // BLOCK * BLOCK
+    mass = weights[:, :full].reshape(rows, -1, BLOCK).sum(dim=-1)
+    if full < vocab:
+        mass = torch.cat([mass, weights[:, full:].sum(dim=-1, keepdim=True)], dim=1)
+    block = _search(mass.double(), generator)
+    ids = block.unsqueeze(1) * BLOCK + torch.arange(BLOCK, device=weights.device)
+    inside = weights.gather(1, ids.clamp(max=vocab - 1)).masked_fill(ids >= vocab, 0.0)
+    return block * BLOCK + _search(inside.double(), generator)
+
+
+def _search(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Per row of float64 `weights` [R, n], the index i at which a uniform share of the
+    row's total first falls below the cumulative sum: chance weights[i] / total. A
+    zero-weight index is never taken: its cumulative sum equals the one before it."""
+    cum = weights.cumsum(dim=-1)
+    total = cum[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=total.dtype, device=total.device)
+    index = torch.searchsorted(cum, u * total, right=True)
+    # u * total can round up to the total: the last index with weight, not one past it
+    last = (cum < total).sum(dim=-1, keepdim=True)
+    return torch.minimum(index, last).squeeze(1)
 
 
 def logprob_details(logprobs: torch.Tensor | None, tokens: torch.Tensor, n: int | None):
