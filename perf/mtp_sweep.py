@@ -13,6 +13,13 @@ flight; each peer's greedy tokens on held-out prompts are compared with ours bef
 benchmarked; a peer that fails is noted and the sweep goes on. --launch replaces our
 daemon with any command ({port} and {k} substituted; it must serve /health; one that
 returns needs --launch-stop).
+--rounds N (N > 1) measures our methods side by side instead of one after another: all
+our servers run at once (ports --port, --port + 1, ...), and at each concurrency N rounds
+run every method once, round r on prompts of seed --seed + r (so no round finds the last
+one's prompts in the prefix cache), in an order rotated by r. A row is the round of median
+throughput, its speedup the median of each round's ratio to that round's baseline: drift
+in the machine's speed over the sweep (10-30% on a shared 2-core machine) falls on every
+method alike. It needs a model that fits once per method; peers still run after ours.
 Scales: full = 2500 in / 1500 out, 80 requests per level; cpu = 256 / 128,
 max(24, 2 x concurrency). Writes to --result-dir results.md (per method and concurrency:
 TPOT, TTFT, tokens/s, speedup over the baseline, acceptance length and per draft position,
@@ -22,9 +29,11 @@ raw/ (bench_serving's).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shlex
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,11 +66,12 @@ class Method:
     engine: str | None = None
 
 
-def server_command(args, k: int, adaptive: bool = False) -> list[str]:
+def server_command(args, k: int, adaptive: bool = False, port: int | None = None) -> list[str]:
+    port = port or args.port
     if args.launch:
-        return shlex.split(args.launch.format(port=args.port, k=k))
+        return shlex.split(args.launch.format(port=port, k=k))
     cmd = [
-        sys.executable, "-m", "xllm_py", "--port", str(args.port), f"--num_speculative_tokens={k}",
+        sys.executable, "-m", "xllm_py", "--port", str(port), f"--num_speculative_tokens={k}",
     ]  # fmt: skip
     cmd += ["--speculative_adaptive=true"] * adaptive
     cmd += ["--graph_warm_up=startup"]  # graph mode (where on) complete before /health
@@ -73,12 +83,13 @@ def lengths(args) -> tuple[int, int]:
     return args.input_len or p["input_len"], args.output_len or p["output_len"]
 
 
-def bench_argv(args, url: str, concurrency: int, raw: Path, name: str) -> list[str]:
+def bench_argv(args, url: str, concurrency: int, raw: Path, name: str, seed: int = 0) -> list[str]:
+    """bench_serving's flags; `seed` is added to --seed (a round's prompts)."""
     input_len, output_len = lengths(args)
     n = args.num_prompts or PRESETS[args.scale]["prompts"](concurrency)
     argv = ["--base-url", url, "--num-prompts", str(n), "--max-concurrency", str(concurrency),
             "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos",
-            "--temperature", "0", "--seed", str(args.seed), "--save-result",
+            "--temperature", "0", "--seed", str(args.seed + seed), "--save-result",
             "--result-dir", str(raw), "--result-filename", f"{name}.json",
             "--disable-tqdm"]  # fmt: skip
     return argv + (["--tokenizer", args.model] if args.model else [])
@@ -156,6 +167,25 @@ def add_ceiling(args, rows: list[dict], input_len: int, output_len: int) -> dict
     return {"context": context, "routing": routing, "byte_model": bm.__dict__}
 
 
+def rounds_note(rounds: int, rows: list[dict]) -> str:
+    """With --rounds: how the rows were measured, and each round's speedups."""
+    if rounds == 1:
+        return ""
+    lines = [
+        f"- {r['method']}, concurrency {r['concurrency']}: "
+        + " / ".join(f"{x:.2f}x" for x in r["round_speedups"])
+        for r in rows
+        if r["round_speedups"] and r["method"] != "baseline"
+    ]
+    return (
+        f"Our methods ran side by side: all their servers up at once, {rounds} rounds at each "
+        "concurrency, every method once a round on that round's prompts, in an order rotated "
+        "by the round. A row is the method's round of median throughput; its speedup is the "
+        "median of the rounds' speedups (each round's throughput over that round's "
+        "baseline), which were:\n\n" + "\n".join(lines) + "\n\n"
+    )
+
+
 def peer_note(agree: dict[str, dict]) -> str:
     """The footer on --peer: whether the other engines compute what ours does."""
     lines = [
@@ -200,12 +230,14 @@ FLAGS = [  # (flag, type, default, help)
     ("--input-len", int, 0, "prompt tokens (0: the preset's)"),
     ("--output-len", int, 0, "output tokens (0: the preset's)"),
     ("--seed", int, 0, "prompt sampling seed"),
-    ("--port", int, 8711, "port of the server"),
+    ("--port", int, 8711, "port of the server (with --rounds: of the first of ours)"),
     ("--result-dir", Path, RESULTS / "mtp_sweep", "output folder"),
     ("--server-args", str, "", "more flags for our daemon, one quoted string"),
     ("--launch", str, None, "command starting another server instead ({port}, {k})"),
     ("--launch-stop", str, None, "with --launch: command stopping what it started, for "
      "launchers that return (e.g. 'scripts/launch_cluster.sh stop')"),
+    ("--rounds", int, 1, "over 1: our methods' servers all up at once, and this many "
+     "interleaved rounds at each concurrency, rows the medians (see above)"),
     ("--adaptive", bool, False, "also run MTP with --speculative_adaptive (k <= largest --k)"),
     ("--no-ceiling", bool, False, "leave out the ceiling column"),
     ("--ceiling-routing", Path, None, "a perf/step_cost.py JSON of this model whose routing "
@@ -246,6 +278,45 @@ def run_method(args, m: Method, raw: Path, peer: dict) -> tuple[dict[int, dict],
     return results, agree
 
 
+def run_interleaved(args, methods: list[Method], raw: Path) -> dict[str, dict[int, dict]]:
+    """Our methods side by side (--rounds): every server started and warmed up, then at
+    each concurrency --rounds rounds of every method, in an order rotated by the round.
+    Returns each method's median round by concurrency, with `round_speedups` (each round's
+    throughput over that round's baseline) and `speedup` (their median)."""
+    daemons: dict[str, Daemon] = {}
+    rounds: dict[str, dict[int, list[dict]]] = {m.name: {} for m in methods}
+    try:
+        for i, m in enumerate(methods):
+            print(f"== {m.name}: starting the server (port {args.port + i})", flush=True)
+            log = args.result_dir / f"server_{m.tag}.log"
+            daemons[m.name] = Daemon(m.cmd, args.port + i, log, group=True, startup_timeout=600.0)
+            warm_up(daemons[m.name].url)
+        for c in args.concurrency:
+            for r in range(args.rounds):
+                turn = r % len(methods)
+                for m in methods[turn:] + methods[:turn]:
+                    name = f"{m.tag}_c{c}_r{r}"
+                    argv = bench_argv(args, daemons[m.name].url, c, raw, name, seed=r)
+                    res = bench_serving.run(argv)
+                    rounds[m.name].setdefault(c, []).append(res)
+                    print(f"   concurrency {c:>3}, round {r}, {m.name}: "
+                          f"{res['output_throughput']:8.1f} output tok/s", flush=True)  # fmt: skip
+    finally:
+        for d in daemons.values():
+            d.stop()
+    base = rounds[methods[0].name]
+    results: dict[str, dict[int, dict]] = {}
+    for m in methods:
+        results[m.name] = {}
+        for c, runs in rounds[m.name].items():
+            tput = [x["output_throughput"] for x in runs]
+            ratios = [t / b["output_throughput"] for t, b in zip(tput, base[c])]
+            row = runs[tput.index(statistics.median_low(tput))]
+            speedup = statistics.median(ratios)
+            results[m.name][c] = row | {"round_speedups": ratios, "speedup": speedup}
+    return results
+
+
 def run_methods(args, methods: list[Method], raw: Path, peer: dict):
     """Each method's results by concurrency, the peers' agreement, and the peer methods that
     did not run, with why: a peer that fails (its server does not start, or errs; vLLM's
@@ -255,6 +326,10 @@ def run_methods(args, methods: list[Method], raw: Path, peer: dict):
     agree: dict[str, dict] = {}
     failed: dict[str, str] = {}
     broken: dict[str, str] = {}  # peer engine -> the method that failed
+    if args.rounds > 1:
+        ours = [m for m in methods if m.engine is None]
+        results = run_interleaved(args, ours, raw)
+        methods = [m for m in methods if m.engine is not None]
     for m in methods:
         if m.engine in broken:
             failed[m.name] = f"Not started: {broken[m.engine]} failed."
@@ -277,13 +352,21 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser(__doc__, FLAGS).parse_args(argv)
     if args.adaptive and args.launch:
         sys.exit("--adaptive runs our daemon with --speculative_adaptive; not with --launch")
+    if args.rounds < 1:
+        sys.exit(f"--rounds {args.rounds}: at least 1")
+    if args.rounds > 1 and args.launch_stop:
+        sys.exit("--rounds runs our servers at once; not with --launch-stop (a launcher that "
+                 "returns)")  # fmt: skip
     (raw := args.result_dir / "raw").mkdir(parents=True, exist_ok=True)
     input_len, output_len = lengths(args)
     stop = shlex.split(args.launch_stop) if args.launch and args.launch_stop else None
-    methods = [Method("baseline", "k0", server_command(args, 0), stop)]
-    methods += [Method(f"MTP k={k}", f"k{k}", server_command(args, k), stop) for k in args.k]
+    # with --rounds our servers run at once: one port each
+    ports = itertools.count(args.port) if args.rounds > 1 else itertools.repeat(args.port)
+    methods = [Method("baseline", "k0", server_command(args, 0, port=next(ports)), stop)]
+    methods += [Method(f"MTP k={k}", f"k{k}", server_command(args, k, port=next(ports)), stop)
+                for k in args.k]  # fmt: skip
     if args.adaptive:
-        cmd = server_command(args, max(args.k), adaptive=True)
+        cmd = server_command(args, max(args.k), adaptive=True, port=next(ports))
         methods.append(Method(f"MTP adaptive k<={max(args.k)}", "adaptive", cmd))
     peer: dict = {}
     if args.peer:
@@ -297,14 +380,15 @@ def main(argv: list[str] | None = None) -> dict:
             if m.name not in results:
                 continue
             r = results[m.name][c]
-            rows.append({"method": m.name, "concurrency": c,
-                         "speedup": r["output_throughput"] / base["output_throughput"],
+            speedup = r.get("speedup") or r["output_throughput"] / base["output_throughput"]
+            rows.append({"method": m.name, "concurrency": c, "speedup": speedup,
+                         "round_speedups": r.get("round_speedups"),
                          "ttft_ratio": r["mean_ttft_ms"] / base["mean_ttft_ms"], "ceiling": None,
                          **{key: r.get(key) for key in ROW_KEYS}})  # fmt: skip
     cmd = command("mtp_sweep", argv)
     summary = {
         "command": cmd, "scale": args.scale, "input_len": input_len, "output_len": output_len,
-        "machine": machine(), "rows": rows,
+        "machine": machine(), "rounds": args.rounds, "rows": rows,
         "peers": {**peer, "agreement": agree, "failed": failed} if peer else None,
         "ceiling": add_ceiling(args, rows, input_len, output_len),
     }  # fmt: skip
@@ -317,6 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
         "Acceptance at 1..k = the share of verification passes whose draft j was accepted. "
         "Ceiling = the batch-1 bandwidth bound on that speedup at the row's k and acceptance "
         "length (perf/step_cost.py; perf/README.md says how to read it).\n\n"
+        + rounds_note(args.rounds, rows)
         + table(rows)
         + peer_note(agree)
         + ("\nPeers that did not run:\n" if failed else "")
