@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -139,12 +140,15 @@ def test_a_peer_that_fails_is_noted_and_the_sweep_goes_on(monkeypatch, tmp_path)
         return {1: {"output_throughput": 1.0}}, {"ok": True} if m.engine else None
 
     monkeypatch.setattr(mtp_sweep, "run_method", run)
+    sequential = SimpleNamespace(rounds=1)  # one method after another
     Method = mtp_sweep.Method
     methods = [Method("baseline", "k0", []), Method("MTP k=1", "k1", []),
                Method("vLLM", "vllm_k0", [], engine="vllm"),
                Method("vLLM MTP k=1", "vllm_k1", [], engine="vllm"),
                Method("llama.cpp (no MTP)", "llama_cpp", [], engine="llama.cpp")]  # fmt: skip
-    results, agree, failed = mtp_sweep.run_methods(None, methods, tmp_path, {"ours_fail": False})
+    results, agree, failed = mtp_sweep.run_methods(
+        sequential, methods, tmp_path, {"ours_fail": False}
+    )
     assert started == ["baseline", "MTP k=1", "vLLM", "llama.cpp (no MTP)"]
     assert list(results) == ["baseline", "MTP k=1", "llama.cpp (no MTP)"]
     assert agree == {"llama.cpp (no MTP)": {"ok": True}}
@@ -153,7 +157,7 @@ def test_a_peer_that_fails_is_noted_and_the_sweep_goes_on(monkeypatch, tmp_path)
         "vLLM MTP k=1": "Not started: vLLM failed.",
     }
     with pytest.raises(RuntimeError, match="500"):
-        mtp_sweep.run_methods(None, methods, tmp_path, {"ours_fail": True})
+        mtp_sweep.run_methods(sequential, methods, tmp_path, {"ours_fail": True})
 
 
 @pytest.mark.skipif(peers.missing("llama.cpp") is not None, reason=f"{peers.missing('llama.cpp')}")
