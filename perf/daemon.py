@@ -19,6 +19,12 @@ import httpx
 
 from perf.common import ROOT
 
+# One HTTP client for the launcher's requests and the tests' (its pool is thread-safe):
+# each httpx.get() or httpx.post() builds a client of its own, and with it an SSL context,
+# about 60 ms of CPU even for http://, which health polls during a start-up would pay
+# dozens of times.
+HTTP = httpx.Client()
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -53,7 +59,7 @@ def wait_healthy(
         if why is not None:
             raise RuntimeError(why)
         try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
+            if HTTP.get(url + path, timeout=2).status_code == 200:
                 return True
         except httpx.TransportError:
             pass
@@ -128,7 +134,7 @@ class Daemon:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` in /metrics whose labels include `labels`."""
-        page = httpx.get(self.url + "/metrics", timeout=10).text
+        page = HTTP.get(self.url + "/metrics", timeout=10).text
         return sum(
             v for n, have, v in samples(page)
             if n == name and all(have.get(k) == x for k, x in labels.items())
@@ -178,10 +184,10 @@ class Server(Daemon):
 
 def warm_up(base_url: str, extra_body: dict | None = None) -> None:
     """A few requests so first-call costs (allocation, lazy init) stay out of the figures."""
-    model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    model = HTTP.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
     body = {"model": model, "prompt": "Hello", "max_tokens": 16, "ignore_eos": True}
     for _ in range(3):
-        httpx.post(
+        HTTP.post(
             base_url + "/v1/completions", json={**body, **(extra_body or {})}, timeout=300
         ).raise_for_status()
 

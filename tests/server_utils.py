@@ -2,12 +2,11 @@
 launcher (perf/daemon.py), under the names the tests import. Also what a test reads of
 speculation from /metrics and from an answer's `usage.speculative`."""
 
-import httpx
-
 from perf import daemon
-from perf.daemon import ROOT, Daemon, free_port, free_port_range, samples, wait_healthy
+from perf.daemon import HTTP, ROOT, Daemon, free_port, free_port_range, samples, wait_healthy
 
 __all__ = [
+    "HTTP",
     "ROOT",
     "Daemon",
     "Server",
@@ -28,7 +27,7 @@ SPEC_TOTALS = (
 
 def spec_totals(url: str) -> list[float]:
     """The server's speculation totals (SPEC_TOTALS, in that order), from one /metrics page."""
-    found = {name: v for name, _, v in samples(httpx.get(url + "/metrics", timeout=10).text)}
+    found = {name: v for name, _, v in samples(HTTP.get(url + "/metrics", timeout=10).text)}
     return [found[name] for name in SPEC_TOTALS]
 
 

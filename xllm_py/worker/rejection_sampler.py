@@ -64,22 +64,25 @@ def verify(
     rows = torch.tensor(judge_rows, device=dev)
     ids = torch.tensor(flat, device=dev)
     p = probs[rows]  # [D, V]
-    # The coupled rule: x = the token plain sampling draws at this row (for a seeded row the
-    # same exponential race on the same noise); keep d iff d == x, else emit x.
-    coupled = draws.pick(p, judge_rows)
-    accept, recovered = coupled == ids, coupled
-    if any(has_q):
-        drawn = [h for h, d in zip(has_q, drafts) for _ in d]
+    drawn = [h for h, d in zip(has_q, drafts) for _ in d]
+    accept = torch.zeros(len(flat), dtype=torch.bool, device=dev)
+    recovered = torch.empty_like(ids)
+    if not all(drawn):
+        # The coupled rule: x = the token plain sampling draws at this row (for a seeded row
+        # the same exponential race on the same noise); keep d iff d == x, else emit x.
+        at = torch.tensor([i for i, h in enumerate(drawn) if not h], device=dev)
+        x = draws.pick(p[at], [judge_rows[i] for i in at.tolist()])
+        accept[at], recovered[at] = x == ids[at], x
+    if any(drawn):
         at = torch.tensor([i for i, h in enumerate(drawn) if h], device=dev)
         q = torch.cat([qi for qi in draft_probs if qi is not None]).to(p.dtype)
         p = p[at]
         p_d = p.gather(1, ids[at].unsqueeze(1)).squeeze(1)
         q_d = q.gather(1, ids[at].unsqueeze(1)).squeeze(1)
-        kept = draws.uniform[rows[at]] * q_d < p_d  # u < p/q without dividing by zero
+        accept[at] = draws.uniform[rows[at]] * q_d < p_d  # u < p/q without dividing by zero
         residual = (p - q).clamp(min=0)
         # Rows where p <= q everywhere cannot reject; keep a valid distribution there anyway.
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-        accept[at] = kept
         recovered[at] = draws.pick(residual, [judge_rows[i] for i in at.tolist()])
     accept, recovered = accept.tolist(), recovered.tolist()
     out, d_at = [], 0

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
+import mmap
 import threading
 import time
 from collections.abc import Iterator
@@ -350,8 +352,7 @@ class Worker:
         )
         # Zeroed: padded context positions are masked, but 0 * NaN would still poison the output.
         caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.num_cache_layers)
+            zeroed_cache(shape, self.dtype, self.device) for _ in range(self.num_cache_layers)
         ]
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB)",
@@ -375,6 +376,7 @@ class Worker:
                 self.warm_up_graphs()
         elif self.graph_mode:
             logger.info("graph mode: the replica's ranks compile together at its first step")
+        freeze_start_up_objects()
 
     def _build_runner(self, caches: list[torch.Tensor], num_blocks: int, seed: int):
         """The model runner with every part it runs, built before it: the sampler and row
@@ -488,3 +490,24 @@ def _draft_pass(draft, layer: int):
         return draft(next_ids, positions, hidden, layer)
 
     return run
+
+
+def freeze_start_up_objects() -> None:
+    """Move every object alive once the engine is built (modules, parameters, the
+    tokenizer, the caches' wrappers) out of the garbage collector's generations. Steps make
+    many short-lived objects, and each full collection would walk the ~200k start-up
+    objects again: about a tenth of a sampled 512-row step's time on CPU, measured."""
+    gc.collect()
+    gc.freeze()
+
+
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor. On CPU it lies in an anonymous memory map: the kernel's zero
+    pages, each faulted in at its first write, so the KV cache sized for max_seqs_per_batch
+    full-length requests (1.5 GiB for the bundled model) costs neither a second of memset
+    at start-up nor resident memory until requests fill it."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    memory = mmap.mmap(-1, max(1, count * dtype.itemsize))  # the tensor keeps it alive
+    return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)

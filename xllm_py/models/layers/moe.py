@@ -236,9 +236,11 @@ class MoE(nn.Module):
             return self._routed_gathered(x, weights, ids)  # graph mode, few tokens
         if not torch.compiler.is_compiling() and ids.numel() <= SMALL_BATCH_ASSIGNMENTS:
             return self._routed_small(x, weights, ids, first)
-        if self.quantized:  # the same loop as the op, over FP8 or INT4 stacks (eager only)
-            return grouped_experts(x, weights, ids, self.w13, self.w2, first)
-        return routed_grouped(x, weights, ids, self.w13, self.w2, first)
+        if torch.compiler.is_compiling() and not self.quantized:  # one opaque op in a graph
+            return routed_grouped(x, weights, ids, self.w13, self.w2, first)
+        # eager, and FP8-resident or packed INT4 stacks: the op's body, without the op's
+        # dispatcher (its first call imports torch._dynamo: seconds of every process's CPU)
+        return grouped_experts(x, weights, ids, self.w13, self.w2, first)
 
     def _routed_small(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int
@@ -306,8 +308,7 @@ def routed_grouped(
     An operator the compiler does not look into: in graph mode its host syncs (the
     per-expert counts) and data-dependent loop stay inside one op of the graph, which
     runs it as eager code does (measured against a static dense form, every expert over
-    every token: docs/graph_mode.md). Called as an op in eager code too; the dispatch
-    costs nothing measurable next to the experts."""
+    every token: docs/graph_mode.md). Eager code calls the body, `grouped_experts`."""
     return grouped_experts(x, weights, ids, w13, w2, first_expert)
 
 
