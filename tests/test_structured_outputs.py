@@ -17,7 +17,7 @@ import pytest
 
 from tests.chisquare import ALPHA, homogeneity
 from tests.grammar_utils import bundled, bundled_matcher, follows
-from tests.server_utils import Server
+from tests.server_utils import HTTP, Server
 from tests.test_bundled_model import held_out_user_turns
 from xllm_py import LLM, SamplingParams
 from xllm_py.entrypoints.openai_protocol import _structural_tag
@@ -129,6 +129,26 @@ def test_a_bitmask_filled_during_the_forward_gives_the_same_tokens(prompts, plai
     assert [o.outputs[0].token_ids for o in outs] == [o.token_ids for o in plain[: len(reqs)]]
 
 
+def test_free_and_constrained_requests_share_a_batch(prompts, plain):
+    """Free requests batched before and between constrained ones (so a grammar's rows are
+    not the batch's first; with MTP drafts, k = 1): each constrained request gives the
+    tokens it gives in a batch of its own kind, each free one the tokens it gives alone."""
+    llm = LLM(num_speculative_tokens=1, **OPTIONS)
+    free = SamplingParams(max_tokens=16, temperature=0.0)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], free)]
+    schema_of = [1, 4, 7, 9]
+    reqs = [
+        r
+        for i, s in enumerate(schema_of)
+        for r in ((prompts[i], free), (prompts[i], params(SCHEMAS[s])))
+    ]
+    outs = [
+        o.outputs[0].token_ids for o in llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+    ]
+    assert outs[0::2] == alone
+    assert outs[1::2] == [plain[s * len(prompts) + i].token_ids for i, s in enumerate(schema_of)]
+
+
 SAMPLED_SCHEMA = obj(word=WORD, n={"type": "integer", "minimum": 0, "maximum": 9})
 SAMPLES = 1500
 
@@ -199,7 +219,7 @@ def server():
 
 
 def post(server, path: str, **body) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=120)
+    return HTTP.post(server.url + path, json=body, timeout=120)
 
 
 def test_the_request_forms_all_constrain(server):

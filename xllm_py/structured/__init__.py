@@ -384,8 +384,14 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """In place: logits[rows[i]] of tokens bitmask row i disallows := -inf."""
-    xgrammar().apply_token_bitmask_inplace(logits, bitmask[: len(rows)], indices=rows)
+    """In place: logits[rows[i]] of tokens bitmask row i disallows := -inf. xgrammar's
+    `indices` pick the same row of the logits and of the bitmask, so the compact mask is
+    laid out at its rows of a full one (all allowed elsewhere) first."""
+    if rows != list(range(len(rows))):
+        full = bitmask.new_full((logits.shape[0], bitmask.shape[1]), -1)  # all allowed
+        full[rows] = bitmask[: len(rows)]
+        bitmask = full
+    xgrammar().apply_token_bitmask_inplace(logits, bitmask[: logits.shape[0]], indices=rows)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
