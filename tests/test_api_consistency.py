@@ -1,4 +1,4 @@
-"""One conversation, three APIs: for 16 held-out ShareGPT prompts (with a system prompt),
+"""One conversation, three APIs: for 8 held-out ShareGPT prompts (with a system prompt),
 greedy output through OpenAI's Responses API and Anthropic's Messages API is token for
 token chat completions' (the tokens and their logprobs for Responses, the text and token
 count for Messages, which has no logprobs), with MTP off (k = 0) and on (k = 1), and the
@@ -19,7 +19,7 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def prompts() -> list[str]:
-    return list(held_out_user_turns(16, 10, 300))
+    return list(held_out_user_turns(8, 10, 300))
 
 
 def answers(url: str, prompts: list[str]) -> list[tuple[list[str], str]]:

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import Server, assert_spec_counted, spec_totals
+from tests.server_utils import HTTP, Server, assert_spec_counted, spec_totals
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "api_fields.md"
 HI = [{"role": "user", "content": "Hi"}]
@@ -81,7 +81,7 @@ def test_every_row_of_the_field_table_is_what_the_server_does(server):
 
 def test_an_unknown_field_is_logged_once_by_name(server):
     for _ in range(3):
-        r = httpx.post(
+        r = HTTP.post(
             server.url + "/v1/completions",
             json={"prompt": "Hi", "max_tokens": 1, "frobnicate_level": 3},
             timeout=60,
@@ -92,7 +92,7 @@ def test_an_unknown_field_is_logged_once_by_name(server):
 
 
 def test_a_known_field_with_a_wrong_type_is_still_a_400(server):
-    r = httpx.post(
+    r = HTTP.post(
         server.url + "/v1/completions",
         json={"prompt": "Hi", "stream_options": {"include_usage": "yes"}, "stream": True},
         timeout=60,
@@ -108,7 +108,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server):
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         events = [
             json.loads(ln[6:])
             for ln in r.iter_lines()
@@ -117,7 +117,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server):
     assert all("usage" in e for e in events)
     counts = [e["usage"]["completion_tokens"] for e in events]
     assert counts == sorted(counts) and counts[-1] == 6
-    prompt = httpx.post(server.url + "/tokenize", json={"prompt": "Hello"}, timeout=60).json()
+    prompt = HTTP.post(server.url + "/tokenize", json={"prompt": "Hello"}, timeout=60).json()
     assert {e["usage"]["prompt_tokens"] for e in events} == {prompt["count"]}
     drafted = [e["usage"]["speculative"]["draft_tokens"] for e in events]  # MTP is on
     assert drafted == sorted(drafted)
@@ -155,12 +155,12 @@ def test_usage_speculative_is_what_the_metrics_counted(server):
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
-    ids = httpx.post(
+    ids = HTTP.post(
         server.url + "/tokenize", json={"prompt": "one two three four five six"}, timeout=60
     ).json()["tokens"]
 
     def complete(prompt, **kw):
-        r = httpx.post(
+        r = HTTP.post(
             server.url + "/v1/completions",
             json={"prompt": prompt, "max_tokens": 4, "temperature": 0, **kw},
             timeout=60,
@@ -173,27 +173,27 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
 
 
 def test_tokenize_detokenize_and_version(server):
-    r = httpx.post(
+    r = HTTP.post(
         server.url + "/tokenize",
         json={"prompt": "Hello world", "return_token_strs": True},
         timeout=60,
     ).json()
     assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 256
     assert "".join(r["token_strs"]).endswith("world")
-    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, timeout=60).json()
+    back = HTTP.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, timeout=60).json()
     assert back["prompt"].endswith("Hello world")
-    chat = httpx.post(
+    chat = HTTP.post(
         server.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, timeout=60
     ).json()
-    served = httpx.post(
+    served = HTTP.post(
         server.url + "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
         timeout=60,
     ).json()
     assert chat["count"] == served["usage"]["prompt_tokens"]
-    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}, timeout=60)
+    bad = HTTP.post(server.url + "/detokenize", json={"tokens": [10**9]}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
-    both = httpx.post(
+    both = HTTP.post(
         server.url + "/tokenize",
         json={"prompt": "x", "messages": [{"role": "user", "content": "x"}]},
         timeout=60,
@@ -201,11 +201,11 @@ def test_tokenize_detokenize_and_version(server):
     assert both.status_code == 400
     from xllm_py import __version__
 
-    assert httpx.get(server.url + "/version", timeout=10).json() == {"version": __version__}
+    assert HTTP.get(server.url + "/version", timeout=10).json() == {"version": __version__}
 
 
 def post(server, path: str, **body) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=60)
+    return HTTP.post(server.url + path, json=body, timeout=60)
 
 
 def test_echo_puts_the_prompt_and_its_logprobs_before_the_output(server):
@@ -233,7 +233,7 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_output(server):
         assert len(lp["top_logprobs"][pos]) in (2, 3)  # the prompt's token and the top 2
     assert lp["text_offset"][n] == len("".join(lp["tokens"][:n]))
     # streamed: the prompt (and its logprobs) come in the first chunk
-    r = httpx.post(
+    r = HTTP.post(
         server.url + "/v1/completions",
         json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2,
               "echo": True, "stream": True},

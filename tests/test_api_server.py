@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import Server, assert_spec_counted, spec_totals
+from tests.server_utils import HTTP, Server, assert_spec_counted, spec_totals
 from xllm_py import LLM, SamplingParams
 
 PROMPTS = [
@@ -161,10 +161,10 @@ def test_batch_prompts_token_ids_logprobs_and_stop(mtp_server):
 
 
 def test_models_health_openapi(mtp_server):
-    models = httpx.get(mtp_server.url + "/v1/models").json()
+    models = HTTP.get(mtp_server.url + "/v1/models").json()
     assert models["data"][0]["id"] == "tiny-deepseek-v3-mtp"
-    assert httpx.get(mtp_server.url + "/health").json() == {"status": "ok"}
-    paths = httpx.get(mtp_server.url + "/openapi.json").json()["paths"]
+    assert HTTP.get(mtp_server.url + "/health").json() == {"status": "ok"}
+    paths = HTTP.get(mtp_server.url + "/openapi.json").json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/metrics"} <= set(paths)
 
 
@@ -172,7 +172,7 @@ def test_prometheus_metrics_after_traffic(mtp_server):
     c = client(mtp_server)
     model = c.models.list().data[0].id
     c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0)
-    text = httpx.get(mtp_server.url + "/metrics").text
+    text = HTTP.get(mtp_server.url + "/metrics").text
     for name in [
         "xllm:num_requests_running",
         "xllm:num_requests_waiting",
@@ -212,7 +212,7 @@ def test_prometheus_metrics_after_traffic(mtp_server):
 def _raw(server, path, body, headers=None, method="POST"):
     h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"} | (headers or {})
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.request(method, server.url + path, content=data, headers=h, timeout=60)
+    return HTTP.request(method, server.url + path, content=data, headers=h, timeout=60)
 
 
 P = "Hello there"
@@ -307,7 +307,7 @@ def test_api_key(plain_server):
     with pytest.raises(openai.AuthenticationError):
         client(plain_server, "nope").models.list()
     assert client(plain_server, KEY).models.list().data
-    assert httpx.get(plain_server.url + "/health").status_code == 200  # probes need no key
+    assert HTTP.get(plain_server.url + "/health").status_code == 200  # probes need no key
 
 
 def test_too_many_requests(plain_server):
@@ -444,9 +444,9 @@ def test_sigterm_drains_503_until_in_flight_requests_end_then_exits_zero():
                 short_lines = short_r.iter_lines()
                 first = next(short_lines)
                 server.proc.send_signal(signal.SIGTERM)
-                health = httpx.get(server.url + "/health", timeout=10)
+                health = HTTP.get(server.url + "/health", timeout=10)
                 assert health.status_code == 503 and health.json() == {"status": "draining"}
-                refused = httpx.post(server.url + "/v1/completions", json={"prompt": P}, timeout=10)
+                refused = HTTP.post(server.url + "/v1/completions", json={"prompt": P}, timeout=10)
                 assert refused.status_code == 503
                 assert "shutting down" in refused.json()["error"]["message"]
                 assert in_engine(server) >= 1  # the 503s were answered while requests ran
@@ -469,10 +469,10 @@ def test_sigterm_aborts_requests_that_outlive_shutdown_timeout():
     plain: dict = {}
     t = threading.Thread(
         target=lambda: plain.setdefault(
-            "r", httpx.post(server.url + "/v1/completions", json=LONG, timeout=120)
+            "r", HTTP.post(server.url + "/v1/completions", json=LONG, timeout=120)
         )
     )
-    with httpx.stream(
+    with HTTP.stream(
         "POST", server.url + "/v1/completions", json=LONG | {"stream": True}, timeout=120
     ) as r:
         lines = r.iter_lines()
@@ -585,12 +585,12 @@ def test_engine_failure_fails_requests_and_exits_nonzero(monkeypatch):
     monkeypatch.setattr(LLMEngine, "step", failing_step)
     server = InProcessServer()
     body = {"prompt": P, "max_tokens": 50, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     err = json.loads(lines[-2][6:])["error"]
     assert "device lost" in err["message"] and err["type"] == "server_error"
-    health = httpx.get(server.url + "/health", timeout=5)
+    health = HTTP.get(server.url + "/health", timeout=5)
     assert health.status_code == 503 and health.json()["status"] == "dead"
     assert server.exit_code() == 1
 
@@ -622,8 +622,8 @@ def test_health_answers_while_a_step_runs(monkeypatch):
         )
         t.start()
         assert in_step.wait(30)
-        assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
-        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        assert HTTP.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
+        metrics = HTTP.get(server.url + "/metrics", timeout=10).text
         assert "xllm:num_requests_running" in metrics
         assert "r" not in done  # the step really was still in progress
         release.set()

@@ -19,12 +19,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from tests.server_utils import Server
-from tests.test_cluster import LAYOUTS, Cluster
+from tests.server_utils import HTTP, Server
+from tests.test_cluster import CACHE, CACHE_BYTES, LAYOUTS, Cluster
 from xllm_py import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,12 +31,12 @@ MODEL_DIR = ROOT / "xllm_py" / "assets" / "tiny-deepseek-v3-mtp"
 GUIDELLM = Path(sys.executable).parent / "guidellm"
 LM_EVAL = Path(sys.executable).parent / "lm_eval"
 REQUESTS = 4  # per concurrency level
-TOKENS = 32
+TOKENS = 16  # prompt and output tokens of each request
 
 
 @pytest.fixture(scope="module")
 def server():
-    with Server("--num_speculative_tokens=1", "--dtype=float32") as s:
+    with Server("--num_speculative_tokens=1", "--dtype=float32", CACHE) as s:
         yield s
 
 
@@ -89,7 +88,7 @@ def test_openai_client_with_the_fields_chat_front_ends_send(server):
     assert plain.usage.completion_tokens == len(choice.logprobs.content) <= 12
     assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
     first = choice.logprobs.content[0].token
-    tokenized = httpx.post(server.url + "/tokenize", json={"prompt": first}, timeout=30).json()
+    tokenized = HTTP.post(server.url + "/tokenize", json={"prompt": first}, timeout=30).json()
     first_id = tokenized["tokens"][-1]  # (after the BOS the tokenizer adds)
     penalised = client.chat.completions.create(
         model="tiny-deepseek-v3-mtp", messages=messages, max_completion_tokens=12,
@@ -168,7 +167,7 @@ def engine_scores(lm_eval_tasks):
     lm = LocalCompletionsAPI(model="x", tokenizer=str(MODEL_DIR), tokenizer_backend="huggingface")
     pairs = [(q, " " + c) for q, choices in MC_DOCS for c in choices]  # " ": target_delimiter
     encoded = [lm._encode_pair(q, c) for q, c in pairs]
-    llm = LLM(dtype="float32")
+    llm = LLM(dtype="float32", max_cache_size=CACHE_BYTES)
     params = SamplingParams(max_tokens=0, prompt_logprobs=0)
     outs = llm.generate([{"prompt_token_ids": a + b} for a, b in encoded], params)
     scores = {}
@@ -200,7 +199,7 @@ def test_lm_eval_local_completions(server, lm_eval_tasks, engine_scores, tmp_pat
     assert len(gen) == len(GEN_DOCS)
     for s in gen:
         prompt = s["arguments"]["gen_args_0"]["arg_0"]
-        r = httpx.post(
+        r = HTTP.post(
             server.url + "/v1/completions",
             json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": ["\n"]},
             timeout=60,
@@ -209,7 +208,7 @@ def test_lm_eval_local_completions(server, lm_eval_tasks, engine_scores, tmp_pat
 
 
 def test_lm_eval_on_a_two_node_tensor_parallel_cluster(lm_eval_tasks, engine_scores, tmp_path):
-    flags = ("--dtype=float32", "--num_speculative_tokens=1")
+    flags = ("--dtype=float32", "--num_speculative_tokens=1", CACHE)
     with Cluster(*flags, layout=LAYOUTS["tp"]) as c:
         c.wait_healthy()
         samples = run_lm_eval(c.url, lm_eval_tasks, tmp_path / "out", "xllm_mc")

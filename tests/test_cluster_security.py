@@ -24,11 +24,10 @@ import time
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 
-from tests.server_utils import ROOT, free_port, free_port_range, wait_healthy
-from tests.test_cluster import MODEL, PROMPTS, Node, complete
+from tests.server_utils import ROOT, free_port, free_port_range
+from tests.test_cluster import HTTP, MODEL, PROMPTS, Node, complete, wait_healthy
 from xllm_py.cli import build_parser, check
 from xllm_py.cluster import cluster_pb2 as pb
 from xllm_py.cluster import cluster_pb2_grpc as pb_grpc
@@ -350,7 +349,7 @@ def stream(url: str, max_tokens: int, started: threading.Event) -> tuple[list[di
         "stream_options": {"include_usage": True},
     }
     events, done = [], False
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+    with HTTP.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if line == "data: [DONE]":
                 done = True
@@ -365,14 +364,16 @@ def test_worker_sigterm_mid_stream_drains_the_cluster(token_cluster):
     by its health checks, stops admitting (/health 503), the stream finishes whole (its
     finish_reason, usage and [DONE]), then both processes exit 0. Ends the cluster."""
     c = token_cluster
-    tokens = 400
+    # Long enough: the master starts draining within about one health poll (1 s) of the
+    # signal (0.8 s measured), these tokens take about 7 s on a loaded 2-core machine
+    tokens = 150
     started = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(stream, c.url, tokens, started)
         assert started.wait(60)
         c.worker.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30
-        while httpx.get(c.url + "/health", timeout=5).status_code != 503:
+        while HTTP.get(c.url + "/health", timeout=5).status_code != 503:
             assert time.monotonic() < deadline, "the master never started draining"
             time.sleep(0.1)
         draining_before_end = not fut.done()
@@ -443,27 +444,17 @@ def test_mutual_tls_cluster_serves_what_one_node_does(tmp_path):
     """Both services and every channel over mutual TLS (plus the token): a data-parallel
     2-node cluster answers 4 prompts exactly as the offline API does on one node, the
     worker served steps, a client without a certificate gets nowhere, both exit 0."""
-    import torch
-
-    from tests.test_cluster import MAX_TOKENS
-    from xllm_py import LLM, SamplingParams
+    from tests.test_cluster import offline_answers
 
     certs = make_certs(tmp_path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as a node of a 2-node cluster on 2 cores: 2 threads beside
-    try:  # other busy processes made this 10x slower here
-        offline = LLM(dtype="float32", max_cache_size=16000000).generate(
-            PROMPTS[:4], SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-        )
-    finally:
-        torch.set_num_threads(threads)
+    offline = offline_answers(PROMPTS[:4], 16000000)
     flags = [f"--cluster_tls_{name}={path}" for name, path in certs.items()]
     c = Cluster("sec-tls", *SMALL, f"--cluster_token={TOKEN}", *flags, layout="--dp_size=2")
     try:
         c.wait_healthy()
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda p: complete(c.url, p), PROMPTS[:4]))
-        assert got == [o.outputs[0].text for o in offline]
+        assert got == offline
         tls = TlsFiles(*(certs[n].read_bytes() for n in ("cert", "key", "ca")))
         with ClusterSecurity(TOKEN, tls).channel(c.worker_addr) as ch:
             assert worker_steps(ch) > 0, "the worker (replica 1) served no step"

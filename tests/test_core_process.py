@@ -10,9 +10,7 @@ import signal
 import threading
 from pathlib import Path
 
-import httpx
-
-from tests.server_utils import Server
+from tests.server_utils import HTTP, Server
 
 
 def _core_pid(daemon_pid: int) -> int:
@@ -25,7 +23,7 @@ def _core_pid(daemon_pid: int) -> int:
 
 def _stream(url: str, events: list, started: threading.Event) -> None:
     body = {"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
@@ -39,7 +37,7 @@ def test_killing_the_core_mid_stream_fails_every_client_and_the_daemon():
     )
     try:
         core = _core_pid(s.proc.pid)
-        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+        assert HTTP.get(s.url + "/health", timeout=10).status_code == 200
         streams = [([], threading.Event()) for _ in range(2)]
         threads = [threading.Thread(target=_stream, args=(s.url, *st)) for st in streams]
         for t in threads:
@@ -54,7 +52,7 @@ def test_killing_the_core_mid_stream_fails_every_client_and_the_daemon():
             err = json.loads(events[-2])["error"]
             assert "engine core process exited" in err["message"], err
             assert err["type"] == "server_error"
-        health = httpx.get(s.url + "/health", timeout=10)
+        health = HTTP.get(s.url + "/health", timeout=10)
         assert health.status_code == 503 and health.json()["status"] == "dead"
         assert s.proc.wait(60) != 0
     finally:

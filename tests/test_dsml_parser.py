@@ -27,7 +27,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -35,7 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests import grammar_utils
-from tests.server_utils import ROOT, Server, eager_unless_asked
+from tests.server_utils import HTTP, ROOT, Server, eager_unless_asked
 from tests.test_tool_calls import TOOLS
 from tests.test_tool_parsers_v31_kimi import named, pieces, required_call, stream
 from xllm_py.assets import BUNDLED_MODEL_DIR
@@ -363,8 +362,8 @@ def test_a_required_call_is_valid_dsml_streamed_and_not(dsml_server):
     kw, choice, tc, _ = required_call(client, max_tokens=256)
     # the prompt is V3.2's encoding (not the bundled model's own template)
     body = {"messages": kw["messages"], "tools": TOOLS}
-    ids = httpx.post(url + "/tokenize", json=body, timeout=30).json()["tokens"]
-    text = httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    ids = HTTP.post(url + "/tokenize", json=body, timeout=30).json()["tokens"]
+    text = HTTP.post(url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
     assert text == encoding_dsv32.render(kw["messages"], TOOLS)
     # the call and its result render into the next turn
     follow_up = [
@@ -373,8 +372,8 @@ def test_a_required_call_is_valid_dsml_streamed_and_not(dsml_server):
         {"role": "tool", "tool_call_id": tc.id, "content": '{"temperature": 21}'},
     ]
     body = {"messages": follow_up, "tools": TOOLS}
-    ids = httpx.post(url + "/tokenize", json=body, timeout=30).json()["tokens"]
-    text = httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    ids = HTTP.post(url + "/tokenize", json=body, timeout=30).json()["tokens"]
+    text = HTTP.post(url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
     result = '<result>{"temperature": 21}</result>'
     assert text.endswith(f"\n\n<function_results>\n{result}\n</function_results>\n\n</think>")
     again = client.chat.completions.create(**dict(kw, messages=follow_up, tool_choice="none"))

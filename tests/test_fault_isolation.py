@@ -14,7 +14,7 @@ import socket
 import httpx
 import pytest
 
-from tests.server_utils import Server
+from tests.server_utils import HTTP, Server
 
 MARKER = "FAULT-HERE"
 HOOKS = "--enable_test_hooks=true"
@@ -71,7 +71,7 @@ def test_without_enable_test_hooks_the_variable_does_nothing():
     ) as s:
         [(text, events)] = asyncio.run(_run_all(s.url, [FAULTY]))
         assert events[-1]["choices"][0]["finish_reason"] == "length" and text
-        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+        assert HTTP.get(s.url + "/health", timeout=10).status_code == 200
         assert s.proc.poll() is None
         assert "test hook armed" not in s.output() and "InjectedFault" not in s.output()
 
@@ -88,7 +88,7 @@ def test_one_faulty_request_fails_alone_and_the_others_keep_their_output(server)
     assert err["type"] == "server_error" and "request" in err["message"]
     assert "InjectedFault" in err["message"]
     # the same fault without streaming: a 500 in OpenAI's shape
-    r = httpx.post(
+    r = HTTP.post(
         server.url + "/v1/completions", json={"prompt": FAULTY, "max_tokens": 8}, timeout=60
     )
     assert r.status_code == 500
@@ -100,7 +100,7 @@ def test_one_faulty_request_fails_alone_and_the_others_keep_their_output(server)
     assert server.metric("xllm:request_success_total", finished_reason="error") == 2
     again = asyncio.run(_run_all(server.url, PROMPTS[:1]))[0][0]
     assert again == alone[0]
-    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert HTTP.get(server.url + "/health", timeout=10).status_code == 200
 
 
 def test_a_fault_in_the_shared_step_fails_every_request_and_exits_1():
@@ -137,5 +137,5 @@ def test_a_client_gone_before_its_body_arrived_is_not_a_server_error(server):
             # event, in the server's next loop iteration.
             assert c.recv(1024) == b""
     # A request on a new connection is served by that same event loop after those wake-ups.
-    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert HTTP.get(server.url + "/health", timeout=10).status_code == 200
     assert server.output().count("Traceback") == before

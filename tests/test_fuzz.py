@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_utils import Server
+from tests.server_utils import HTTP, Server
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 EXAMPLES_PER_OPERATION = 8  # plus the coverage phase's boundary cases
@@ -84,7 +84,7 @@ def test_generated_requests_get_no_server_error_and_only_api_shaped_errors(serve
             else:
                 assert set(body["error"]) == {"message", "type", "param", "code"}, body
     assert run.returncode == 0, report
-    ok = httpx.post(
+    ok = HTTP.post(
         server.url + "/v1/completions",
         json={"prompt": "Hello", "max_tokens": 8, "temperature": 0},
         timeout=60,
@@ -93,7 +93,7 @@ def test_generated_requests_get_no_server_error_and_only_api_shaped_errors(serve
 
 
 def test_openapi_declares_request_bodies_and_error_answers(server):
-    doc = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    doc = HTTP.get(server.url + "/openapi.json", timeout=10).json()
     for route, model in (
         ("/v1/completions", "CompletionRequest"),
         ("/v1/chat/completions", "ChatCompletionRequest"),
@@ -109,6 +109,6 @@ def test_openapi_declares_request_bodies_and_error_answers(server):
 
 
 def test_wrong_method_is_405_with_allow(server):
-    r = httpx.get(server.url + "/v1/completions", timeout=10)
+    r = HTTP.get(server.url + "/v1/completions", timeout=10)
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     assert r.json()["error"]["type"] == "invalid_request_error"

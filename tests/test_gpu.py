@@ -20,7 +20,6 @@ import os
 import subprocess
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -31,7 +30,7 @@ from tests.hf_reference import (
     make_hf_checkpoint,
     reference_prompts,
 )
-from tests.server_utils import Server, free_port, free_port_range
+from tests.server_utils import HTTP, Server, free_port, free_port_range
 from xllm_py import LLM, SamplingParams
 from xllm_py.sharegpt import held_out_user_turns
 
@@ -128,7 +127,7 @@ def test_rest_daemon_with_mtp_on_cuda(sharegpt_prompts):
     )
     try:
         for prompt, text in zip(sharegpt_prompts[:4], want):
-            r = httpx.post(
+            r = HTTP.post(
                 server.url + "/v1/completions",
                 json={"prompt": prompt, "max_tokens": 20, "temperature": 0},
                 timeout=120,
@@ -152,7 +151,7 @@ def test_one_gpu_cluster_through_the_launch_script(tmp_path):
     try:
         up = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True)
         assert up.returncode == 0, up.stdout + up.stderr
-        r = httpx.post(
+        r = HTTP.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"prompt": "Hello", "max_tokens": 8, "ignore_eos": True},
             timeout=120,

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.grammar_utils import bundled, bundled_matcher, encode
-from tests.server_utils import Server
+from tests.server_utils import HTTP, Server
 from xllm_py import structured
 from xllm_py.entrypoints.serve import SHUTDOWN_FLUSH_S
 from xllm_py.sampling_params import StructuredOutput
@@ -49,7 +49,7 @@ def slow_schema(n: int = 1000, shift: int = 0) -> dict:
 
 
 def post(server, **body) -> httpx.Response:
-    return httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    return HTTP.post(server.url + "/v1/completions", json=body, timeout=120)
 
 
 def test_a_matcher_keeps_working_after_its_grammar_is_evicted():

@@ -1,5 +1,6 @@
-"""scripts/launch_cluster.sh with its defaults (bundled model, CPU, 2 nodes, MTP on):
-it brings the cluster up, the master serves a completion, `stop` leaves nothing behind.
+"""scripts/launch_cluster.sh with its defaults (bundled model, CPU, 2 nodes, MTP on; a
+small KV cache through EXTRA_ARGS, SMALL_CACHE): it brings the cluster up, the master
+serves a completion, `stop` leaves nothing behind.
 Across hosts (HOSTS / HOSTFILE): two loopback 'hosts' reached through a stub ssh, and
 dry runs of the commands (visible-devices variables, ranks, addresses)."""
 
@@ -10,12 +11,13 @@ import shlex
 import subprocess
 from pathlib import Path
 
-import httpx
-
-from tests.server_utils import free_port, free_port_range
+from tests.server_utils import HTTP, free_port, free_port_range
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "launch_cluster.sh"
+# Each node's KV cache, 16 MB: left to --max_memory_utilization, every node of a launch
+# would zero room for 256 full-length requests (1.8 GB) at its start.
+SMALL_CACHE = "--max_cache_size=16000000"
 
 
 def alive(pid: int) -> bool:
@@ -33,6 +35,7 @@ def test_launch_serve_and_stop(tmp_path):
         "START_PORT": str(port),
         "MASTER_NODE_ADDR": f"127.0.0.1:{free_port()}",
         "HEALTH_TIMEOUT": "240",
+        "EXTRA_ARGS": SMALL_CACHE,
     }
     try:
         up = subprocess.run(
@@ -42,7 +45,7 @@ def test_launch_serve_and_stop(tmp_path):
         assert f"http://127.0.0.1:{port}/v1" in up.stdout
         pids = [int(p) for p in (tmp_path / "log" / "cluster.pids").read_text().split()]
         assert len(pids) == 2 and all(alive(p) for p in pids)
-        r = httpx.post(
+        r = HTTP.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"prompt": "Hello", "max_tokens": 8, "ignore_eos": True},
             timeout=120,
@@ -196,6 +199,7 @@ def test_launch_across_two_hosts(tmp_path):
         "START_PORT": str(port),
         "MASTER_NODE_ADDR": master_addr,
         "HEALTH_TIMEOUT": "240",
+        "EXTRA_ARGS": SMALL_CACHE,
     }
     env.pop("NNODES", None)
     records: list[tuple[str, int]] = []
@@ -221,7 +225,7 @@ def test_launch_across_two_hosts(tmp_path):
         worker_log = (log / "node_1.log").read_text()
         assert f"worker 1 serving on 127.0.0.2:{port + 1}" in worker_log, worker_log[-2000:]
 
-        r = httpx.post(
+        r = HTTP.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"prompt": "Hello", "max_tokens": 8, "ignore_eos": True},
             timeout=120,

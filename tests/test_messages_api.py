@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.server_utils import Server
+from tests.server_utils import HTTP, Server
 
 KEY = "sk-messages-test"
 WEATHER = {
@@ -71,11 +71,11 @@ def sdk(server, key: str = KEY) -> anthropic.Anthropic:
 
 def name(server) -> str:
     auth = {"Authorization": f"Bearer {KEY}"}
-    return httpx.get(server.url + "/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
+    return HTTP.get(server.url + "/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, headers={"x-api-key": KEY}, timeout=120)
+    return HTTP.post(server.url + path, json=body, headers={"x-api-key": KEY}, timeout=120)
 
 
 def tokenized(server, messages: list[dict], tools: list | None = None) -> int:
@@ -204,7 +204,7 @@ def test_a_stream_accumulates_to_the_whole_answer(server):
 
 def test_the_event_stream_is_anthropics_sequence(server):
     body = {"messages": ASK, "max_tokens": 8, "stream": True, "temperature": 0}
-    with httpx.stream(
+    with HTTP.stream(
         "POST", server.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60
     ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -237,12 +237,12 @@ def test_the_api_key_is_checked_and_refusals_are_anthropic_shaped(server):
     assert e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "authentication_error"
     assert "x-api-key" in e.value.body["error"]["message"]
-    r = httpx.post(server.url + "/v1/messages", json={"messages": ASK, "max_tokens": 2})
+    r = HTTP.post(server.url + "/v1/messages", json={"messages": ASK, "max_tokens": 2})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.NotFoundError) as e:
         sdk(server).messages.create(model="claude-nope", max_tokens=2, messages=ASK)
     assert e.value.body["error"]["type"] == "not_found_error" and "claude-nope" in str(e.value)
-    ok = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK})
+    ok = HTTP.post(server.url + "/v1/chat/completions", json={"messages": ASK})
     assert set(ok.json()["error"]) == {"message", "type", "param", "code"}  # OpenAI's, there
 
 
@@ -353,7 +353,7 @@ def test_greedy_answers_are_chats_answers(server, messages):
 
 
 def test_openapi_declares_the_routes(server):
-    doc = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    doc = HTTP.get(server.url + "/openapi.json", timeout=10).json()
     for route, model in (
         ("/v1/messages", "MessagesRequest"),
         ("/v1/messages/count_tokens", "CountTokensRequest"),

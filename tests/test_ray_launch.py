@@ -22,18 +22,25 @@ import tempfile
 import threading
 import time
 
-import httpx
 import pytest
 
-from tests.server_utils import ROOT, free_port, wait_healthy
-from tests.test_cluster import MAX_TOKENS, MODEL, PROMPTS, stream_until_error, unhealthy
+from tests.server_utils import ROOT, free_port
+from tests.test_cluster import (
+    HTTP,
+    MAX_TOKENS,
+    MODEL,
+    PROMPTS,
+    stream_until_error,
+    unhealthy,
+    wait_healthy,
+)
 
 ray = pytest.importorskip("ray")  # in the dev extra: installed by `make test`
 
 from xllm_py.cli import build_parser  # noqa: E402
 from xllm_py.cluster.ray_launch import RAY_NAMESPACE, bundles, node_argv, node_env  # noqa: E402
 
-NUM_PROMPTS = 16
+NUM_PROMPTS = 4  # at once: every step of a tensor-parallel cluster runs on both nodes
 FLAGS = ["--dtype=float32", "--nnodes=2", "--max_cache_size=16000000", "--heartbeat_timeout=3"]
 
 
@@ -213,7 +220,7 @@ def ray_processes_left(temp: str) -> dict[int, str]:
 
 
 def complete(url: str, prompt: str, api_key: str) -> str:
-    r = httpx.post(
+    r = HTTP.post(
         url + "/v1/completions",
         json={"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
         headers={"Authorization": f"Bearer {api_key}"},
@@ -287,12 +294,9 @@ def test_a_local_ray_instance_writes_no_token_into_home(tmp_path):
 
 @pytest.fixture(scope="module")
 def one_node_greedy():
-    from tests.test_cluster import CACHE_BYTES, MAX_TOKENS
-    from xllm_py import LLM, SamplingParams
+    from tests.test_cluster import offline_answers
 
-    llm = LLM(dtype="float32", max_cache_size=CACHE_BYTES)
-    outs = llm.generate(PROMPTS[:NUM_PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
-    return [o.outputs[0].text for o in outs]
+    return offline_answers(PROMPTS[:NUM_PROMPTS])
 
 
 def test_tensor_parallel_cluster_through_ray_equals_one_node(ray_head, one_node_greedy):
@@ -306,7 +310,7 @@ def test_tensor_parallel_cluster_through_ray_equals_one_node(ray_head, one_node_
             got = list(pool.map(lambda p: complete(c.url, p, key), PROMPTS[:NUM_PROMPTS]))
         assert got == one_node_greedy
         assert sorted(c.node_pids()) == [0, 1]
-        r = httpx.post(c.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        r = HTTP.post(c.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
         assert r.status_code == 401
         for pid in c.node_pids().values():
             with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
-from tests.server_utils import Server
+from tests.server_utils import HTTP, Server
 from xllm_py.formats.reasoning import (
     KIMI_TOOLS,
     StreamSplitter,
@@ -162,11 +161,11 @@ def test_chat_answers_carry_reasoning_content(server):
     """The bundled model never closes a <think>, so its whole answer is reasoning: the
     text it gives without the parser, in reasoning_content, and no content."""
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "temperature": 0}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
-    text = httpx.post(
+    r = HTTP.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    text = HTTP.post(
         server.url + "/v1/completions",
         json={
-            "prompt": httpx.post(server.url + "/tokenize", json={"messages": body["messages"]},
+            "prompt": HTTP.post(server.url + "/tokenize", json={"messages": body["messages"]},
                                  timeout=60).json()["tokens"],
             "max_tokens": 12, "temperature": 0,
         },
@@ -174,7 +173,7 @@ def test_chat_answers_carry_reasoning_content(server):
     ).json()["choices"][0]["text"]  # fmt: skip
     message = r["choices"][0]["message"]
     assert message["reasoning_content"] == text and message["content"] is None
-    streamed = httpx.post(
+    streamed = HTTP.post(
         server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
     )
     deltas = [
@@ -185,7 +184,7 @@ def test_chat_answers_carry_reasoning_content(server):
     assert "".join(d.get("reasoning_content", "") for d in deltas) == text
     assert not any(d.get("content") for d in deltas)
     # a response_format applies to the answer only: the reasoning is what it was without
-    constrained = httpx.post(
+    constrained = HTTP.post(
         server.url + "/v1/chat/completions",
         json={**body, "response_format": {"type": "json_object"}},
         timeout=60,

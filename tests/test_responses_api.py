@@ -33,7 +33,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tests.server_utils import Server, assert_spec_counted, spec_totals
+from tests.server_utils import HTTP, Server, assert_spec_counted, spec_totals
 from xllm_py.entrypoints.responses import Reply, ResponsesRequest, ResponseStore
 
 MODEL = "tiny-deepseek-v3-mtp"
@@ -85,7 +85,7 @@ def client(server):
 
 
 def tokens(server, messages: list[dict], **kw) -> int:
-    r = httpx.post(server.url + "/tokenize", json={"messages": messages, **kw}, timeout=60)
+    r = HTTP.post(server.url + "/tokenize", json={"messages": messages, **kw}, timeout=60)
     return r.json()["count"]
 
 
@@ -95,7 +95,7 @@ def chat(client, messages: list[dict], **kw):
 
 def raw(server, **body) -> dict:
     """The body as sent (the SDK builds its objects without validating them)."""
-    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, **body}, timeout=120)
+    r = HTTP.post(server.url + "/v1/responses", json={"model": MODEL, **body}, timeout=120)
     assert r.status_code == 200, r.text
     Response.model_validate_json(r.text)  # OpenAI's own type of it, strictly
     return r.json()
@@ -267,7 +267,7 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(server):
 
     before = aborted()
     body = {"model": MODEL, "input": "Hi", "stream": True, "max_output_tokens": 900}
-    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
+    with HTTP.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
         for n, line in enumerate(r.iter_lines()):
             if n == 12:  # a few text deltas in: the client leaves
                 assert line.startswith("event: response.output_text.delta")
@@ -324,7 +324,7 @@ def test_get_and_delete_a_stored_response(server, client):
     gone = httpx.delete(f"{server.url}/v1/responses/{r.id}", timeout=30)
     assert gone.json() == {"id": r.id, "object": "response", "deleted": True}
     for method in ("GET", "DELETE"):
-        again = httpx.request(method, f"{server.url}/v1/responses/{r.id}", timeout=30)
+        again = HTTP.request(method, f"{server.url}/v1/responses/{r.id}", timeout=30)
         assert again.status_code == 404 and r.id in again.json()["error"]["message"]
     unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, store=False)
     with pytest.raises(openai.NotFoundError):
@@ -349,9 +349,9 @@ def test_bad_requests_name_their_field(server, client):
         "text": {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
     }  # fmt: skip
     for param, body in bad.items():
-        r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+        r = HTTP.post(server.url + "/v1/responses", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    assert "input_image" in httpx.post(server.url + "/v1/responses", json=bad["input"]).text
+    assert "input_image" in HTTP.post(server.url + "/v1/responses", json=bad["input"]).text
     for _ in range(2):  # a hosted tool beside a function tool is skipped, logged once
         r = client.responses.create(model=MODEL, input="Hi", tools=hosted, max_output_tokens=2)
         assert r.tools[1].type == "web_search"
@@ -378,7 +378,7 @@ def test_over_http_the_oldest_go_first_and_an_entry_expires(server):
     url = server.url + "/v1/responses"
 
     def create() -> str:
-        r = httpx.post(url, json={"input": "Hi", "max_output_tokens": 1}, timeout=60)
+        r = HTTP.post(url, json={"input": "Hi", "max_output_tokens": 1}, timeout=60)
         return r.json()["id"]
 
     made = []
@@ -386,7 +386,7 @@ def test_over_http_the_oldest_go_first_and_an_entry_expires(server):
         made.append((create(), time.monotonic()))
     kept = 0  # (a loaded machine may take a while: a response past its TTL is 404 anyway)
     for i, (rid, at) in enumerate(made):
-        status = httpx.get(f"{url}/{rid}", timeout=30).status_code
+        status = HTTP.get(f"{url}/{rid}", timeout=30).status_code
         if i < 5:  # the oldest went first
             assert status == 404, i
         elif time.monotonic() - at < STORE_TTL - 1:  # surely still within its TTL
@@ -395,12 +395,12 @@ def test_over_http_the_oldest_go_first_and_an_entry_expires(server):
     assert kept >= STORE_MAX // 2, kept
     sent = time.monotonic()
     rid = create()
-    assert httpx.get(f"{url}/{rid}", timeout=30).status_code == 200
-    while httpx.get(f"{url}/{rid}", timeout=30).status_code == 200:  # until it expires
+    assert HTTP.get(f"{url}/{rid}", timeout=30).status_code == 200
+    while HTTP.get(f"{url}/{rid}", timeout=30).status_code == 200:  # until it expires
         assert time.monotonic() - sent < 60
         time.sleep(0.2)
     assert time.monotonic() - sent >= STORE_TTL  # not before --responses_store_ttl
-    follow = httpx.post(url, json={"input": "x", "previous_response_id": rid}, timeout=60)
+    follow = HTTP.post(url, json={"input": "x", "previous_response_id": rid}, timeout=60)
     assert follow.status_code == 404 and follow.json()["error"]["param"] == "previous_response_id"
 
 

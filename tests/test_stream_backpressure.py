@@ -3,10 +3,11 @@ memory stays flat while it is stalled, other clients are served meanwhile, and a
 --stream_stall_timeout its request is aborted (its blocks freed, one log line).
 
 The stalled client is a raw socket with a small receive buffer that never reads after
-sending its request: a chat completion of two choices of 1,800 tokens each, every token
-with its top-20 logprobs (about 1.6 KB a token, 5-6 MB in all). That is more than the
+sending its request: a chat completion of eight choices of 900 tokens each, every token
+with its top-20 logprobs (about 1.6 KB a token, 11-12 MB in all). That is more than the
 kernel's socket buffers (the sender's grows to about 2.5 MB on loopback, as measured
-here) and uvicorn's write buffer hold, so the server's sends really block. The test
+here) and uvicorn's write buffer hold, so the server's sends really block; eight choices
+fill them in a fraction of the engine steps two would. The test
 checks that they did: the requests are aborted by the engine (`finished_reason="abort"`,
 counted only for a request still running) and what the client finally reads ends with
 the stall error.
@@ -24,7 +25,8 @@ import pytest
 from tests.server_utils import Server
 
 STALL_S = 3
-MAX_TOKENS = 1800  # + the prompt: within the bundled model's context of 2048
+CHOICES = 8
+MAX_TOKENS = 900  # + the prompt: within --max_model_len=1024
 PROMPT = "<|bos|><|user|>\nTell me a long story about the sea.\n<|assistant|>\n"
 RSS_SLACK_MB = 50
 
@@ -34,7 +36,8 @@ def server():
     with Server(
         "--dtype=float32",
         "--num_speculative_tokens=2",
-        "--max_model_len=2048",
+        "--max_model_len=1024",
+        f"--max_cache_size={64 << 20}",  # 151 blocks: room for the whole answer and another
         f"--stream_stall_timeout={STALL_S}",
     ) as s:
         yield s
@@ -94,7 +97,7 @@ def test_a_stalled_stream_holds_no_memory_and_is_aborted(server):
     body = {
         "messages": [{"role": "user", "content": "Tell me a long story about the sea."}],
         "max_tokens": MAX_TOKENS,
-        "n": 2,
+        "n": CHOICES,
         "ignore_eos": True,
         "stream": True,
         "logprobs": True,
@@ -107,7 +110,9 @@ def test_a_stalled_stream_holds_no_memory_and_is_aborted(server):
         assert other_answer() == 200
         peak = max(peak, rss_mb(pid))
         deadline = time.monotonic() + 240  # guards against a hang only
-        while server.metric("xllm:request_success_total", finished_reason="abort") < aborted + 2:
+        while (
+            server.metric("xllm:request_success_total", finished_reason="abort") < aborted + CHOICES
+        ):
             assert time.monotonic() < deadline, "the stalled stream was never aborted"
             peak = max(peak, rss_mb(pid))
             time.sleep(0.2)
@@ -126,7 +131,7 @@ def test_a_stalled_stream_holds_no_memory_and_is_aborted(server):
     assert json.loads(events[-2])["error"]["code"] == "stream_stalled"
     chunks = [json.loads(e)["choices"][0] for e in events[:-2]]
     received = sum(len(ch["logprobs"]["content"]) for ch in chunks if ch["logprobs"])
-    assert 0 < received < 2 * MAX_TOKENS
+    assert 0 < received < CHOICES * MAX_TOKENS
     logged = [ln for ln in server.output().splitlines() if "--stream_stall_timeout" in ln]
     assert len(logged) == 1, logged
     print(
