@@ -22,14 +22,13 @@ import random
 import shutil
 from pathlib import Path
 
-import httpx
 import jinja2
 import jsonschema
 import openai
 import pytest
 
 from tests import grammar_utils
-from tests.server_utils import Server
+from tests.server_utils import HTTP, Server
 from tests.test_bundled_model import held_out_user_turns
 from xllm_py import LLM, SamplingParams
 from xllm_py.assets import BUNDLED_MODEL_DIR
@@ -468,7 +467,7 @@ def test_a_follow_up_turn_with_the_tool_result_renders_and_completes(server, cli
         "content": '{"temperature": 21}',
     }
     messages = [*ASK, assistant, result]
-    tokens = httpx.post(
+    tokens = HTTP.post(
         server.url + "/tokenize", json={"messages": messages, "tools": TOOLS}, timeout=60
     ).json()["tokens"]
     hf = hf_tokenizer(BUNDLED_MODEL_DIR)
@@ -504,7 +503,7 @@ def test_a_follow_up_turn_with_the_tool_result_renders_and_completes(server, cli
 )
 def test_bad_tool_requests_are_400s_naming_the_field(server, field, body):
     base = {"messages": ASK, "tools": TOOLS, "max_tokens": 4}
-    r = httpx.post(server.url + "/v1/chat/completions", json={**base, **body}, timeout=60)
+    r = HTTP.post(server.url + "/v1/chat/completions", json={**base, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field, r.text
 
