@@ -3,7 +3,7 @@
 Against a reference written here from the definitions (presence/frequency over the
 output so far, repetition over prompt and output, bias added to the raw logits) on
 hand-made logits; then on the bundled model: greedy tokens with each penalty and with a
-logit bias are identical for k = 0, 1 and 3 on 32 held-out ShareGPT prompts (the verify
+logit bias are identical for k = 0, 1 and 3 on 16 held-out ShareGPT prompts (the verify
 rows must see the drafts before them as output), and they differ from unpenalised
 output (the penalties act). The sampled distribution under a penalty is compared,
 speculative against plain, in tests/test_spec_sampling_distribution.py."""
@@ -17,7 +17,7 @@ from tests.test_bundled_model import held_out_user_turns
 from xllm_py import LLM, SamplingParams
 from xllm_py.worker.sampler import LogitAdjust
 
-NUM_PROMPTS = 32
+NUM_PROMPTS = 16  # 24 tokens each: presence and frequency act on 13 of them, the others on all
 CASES = {
     "presence": {"presence_penalty": 1.5},
     "frequency": {"frequency_penalty": 1.0},
@@ -67,8 +67,8 @@ def test_logit_adjust_matches_the_definitions():
 
 @pytest.fixture(scope="module")
 def engines():
-    # a 64 MiB KV cache, 150 blocks: over twice what the 32 prompts hold (left to the
-    # engine, each would zero room for 32 full-length requests)
+    # a 64 MiB KV cache, 150 blocks: over four times what the 16 prompts hold (left to the
+    # engine, each would zero room for 16 full-length requests)
     return {k: LLM(dtype="float32", num_speculative_tokens=k, max_seqs_per_batch=NUM_PROMPTS,
                    max_cache_size=64 << 20) for k in (0, 1, 3)}  # fmt: skip
 

@@ -5,6 +5,7 @@ against what a loaded model really holds."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -51,7 +52,37 @@ def _headers(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def test_replica_is_header_only_and_readable(replica):
+@pytest.fixture(scope="module")
+def headers(replica):
+    """The replica's headers, read once with the safetensors library (_headers)."""
+    return _headers(replica)
+
+
+@pytest.fixture(scope="module")
+def family_replica(tmp_path_factory):
+    """family -> a header replica of it in 4 shards, written once for the tests here."""
+
+    @functools.cache
+    def make(family: str) -> Path:
+        out = tmp_path_factory.mktemp(family)
+        return make_header_checkpoint(out, shards=4, config=family_config(family))
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def family_plan(family_replica):
+    """family -> its plan on 8 devices of 141 GiB, tp 8, ep 8, no MTP layer (made once)."""
+
+    @functools.cache
+    def plan(family: str):
+        path = family_replica(family)
+        return _plan(path, 8, tp=8, ep=8, device_memory_gb=141, num_speculative_tokens=0)
+
+    return plan
+
+
+def test_replica_is_header_only_and_readable(replica, headers):
     shards = sorted(replica.glob("*.safetensors"))
     assert len(shards) == 163 and shards[0].name == "model-00001-of-000163.safetensors"
     apparent = sum(f.stat().st_size for f in shards)
@@ -61,7 +92,7 @@ def test_replica_is_header_only_and_readable(replica):
     assert files["model.layers.61.shared_head.head.weight"].is_file()
     index = json.loads((replica / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(files)
-    h = _headers(replica)
+    h = headers
     assert h["model.layers.3.mlp.experts.255.down_proj.weight"] == ("F8_E4M3", (7168, 2048))
     assert h["model.layers.3.mlp.experts.255.down_proj.weight_scale_inv"] == ("F32", (56, 16))
     assert h["model.layers.0.self_attn.kv_b_proj.weight"] == ("F8_E4M3", (32768, 512))
@@ -96,26 +127,23 @@ FAMILY_TOTALS = {
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_TOTALS))
-def test_other_family_replicas_match_their_published_counts(family, tmp_path):
+def test_other_family_replicas_match_their_published_counts(family, family_plan):
     """A header replica of each family from its published config (BF16 where it ships
     BF16, no q-LoRA where it has none, no routing bias outside noaux_tc) loads into the
     engine's meta model, shape-checked, and its totals are the model card's."""
-    path = make_header_checkpoint(tmp_path, shards=4, config=family_config(family))
-    plan = _plan(path, 8, tp=8, ep=8, device_memory_gb=141, num_speculative_tokens=0)
+    plan = family_plan(family)
     total, active = FAMILY_TOTALS[family]
     assert abs(plan.totals["main"] / total - 1) < 0.02
     if active:
         assert abs(plan.totals["activated"] / active - 1) < 0.05
 
 
-def test_int4_experts_are_priced_as_the_engine_holds_them(tmp_path):
+def test_int4_experts_are_priced_as_the_engine_holds_them(family_plan):
     """Kimi-K2-Thinking's INT4 experts stay packed (`auto` is int4 for an INT4 checkpoint,
     as on CUDA): priced at their int32 words and bf16 group scales, 0.5625 bytes a value,
-    a little over half Kimi-K2's FP8 experts with their block scales."""
-    plans = {}
-    for family in ("kimi-k2", "kimi-k2-thinking"):
-        path = make_header_checkpoint(tmp_path / family, shards=4, config=family_config(family))
-        plans[family] = _plan(path, 8, tp=8, ep=8, num_speculative_tokens=0)
+    a little over half Kimi-K2's FP8 experts with their block scales (the plans of the
+    test above)."""
+    plans = {f: family_plan(f) for f in ("kimi-k2", "kimi-k2-thinking")}
     fp8, int4 = (plans[f].rank_bytes("experts") for f in ("kimi-k2", "kimi-k2-thinking"))
     assert plans["kimi-k2-thinking"].opts.weight_dtype == "int4"
     assert 0.55 < int4 / fp8 < 0.58  # 0.5625 vs 1 + 4 / 128**2 bytes a value
@@ -133,9 +161,9 @@ def _split_ways(name: str, tp: int, ep: int) -> int:
 
 
 @pytest.mark.parametrize("tp,ep", [(16, 16), (8, 1)])
-def test_rank_shares_add_up_to_the_checkpoint(replica, plan16, tp, ep):
+def test_rank_shares_add_up_to_the_checkpoint(replica, headers, plan16, tp, ep):
     plan = plan16 if (tp, ep) == (16, 16) else _plan(replica, tp, tp=tp, ep=ep)
-    h = _headers(replica)
+    h = headers
     rebuilt, experts = 0, {}
     for t in plan.tensors:
         if t.name not in h:  # post-processing copies and rope tables
@@ -157,11 +185,11 @@ def test_rank_shares_add_up_to_the_checkpoint(replica, plan16, tp, ep):
     assert rebuilt == plan.totals["main"] + plan.totals["mtp_unique"]
 
 
-def test_rank_bytes_priced_from_the_headers(replica, plan16):
+def test_rank_bytes_priced_from_the_headers(headers, plan16):
     """Per kind, rank 0's bytes recomputed from the headers: FP8 tensors 1 byte + their
     float32 scales, split 16 ways where the engine splits them; the rest bf16 (router
     float32); + the copies process_weights_after_loading keeps."""
-    h, tp = _headers(replica), 16
+    h, tp = headers, 16
     main = {n: s for n, (_, s) in h.items() if not n.startswith("model.layers.61.")}
 
     def cost(name: str) -> int:
@@ -336,10 +364,10 @@ def test_bundled_model_plan_equals_the_loaded_model():
     assert t["stored"] == sum(math.prod(s) for _, s in _headers(Path(bundled_model())).values())
 
 
-def test_v32_prices_the_indexer_cache_beside_the_mla_cache(tmp_path):
+def test_v32_prices_the_indexer_cache_beside_the_mla_cache(family_replica):
     """DeepSeek-V3.2's indexer keeps one 128-wide key per token and layer beside the MLA
     latent (512) and roped key (64): the plan shows each and counts them all."""
-    path = make_header_checkpoint(tmp_path, shards=4, config=family_config("deepseek-v3.2"))
+    path = family_replica("deepseek-v3.2")
     plan = _plan(path, 8, tp=8, ep=8, device_memory_gb=141)
     assert plan.kv_parts == {"latent": 512, "roped key": 64, "indexer key": 128}
     assert plan.kv_bytes_per_token == plan.cache_layers * (512 + 64 + 128) * 2

@@ -239,7 +239,9 @@ def read_headers(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     path = Path(path)
     index = path / INDEX_FILE
     if index.is_file():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        # (each file name once before it becomes a Path: the map names a file per tensor)
+        names = set(json.loads(index.read_text())["weight_map"].values())
+        files = sorted({path / f for f in names})
     else:
         files = unindexed_weight_files(path)
     if not files:
@@ -406,13 +408,19 @@ def _check_shape(name: str, t: torch.Tensor, headers) -> None:
 def make_plan(model: str | Path, devices: int, **options) -> Plan:
     """The plan for `model` on `devices` devices; `options`: the other `Options` fields.
     Raises ValueError naming the bad flag."""
-    o = Options(str(model), devices, **options)
+    return _make_plan(Options(str(model), devices, **options))
+
+
+def _make_plan(o: Options, read: tuple[ModelConfig, dict] | None = None) -> Plan:
+    """make_plan for `o`; `read`: the checkpoint's config and headers where a plan of the
+    same checkpoint has read them already (the TP layout beside a DP-attention plan)."""
+    model, devices = o.model, o.devices
     (tp, ep), mu = _layout(o), o.max_memory_utilization
     if not 0 < mu <= 1:
         raise ValueError(f"--max_memory_utilization={mu}: must be in (0, 1]")
     if o.block_size < 1:
         raise ValueError(f"--block_size={o.block_size}: must be >= 1")
-    cfg = ModelConfig.from_pretrained(model)
+    cfg = read[0] if read else ModelConfig.from_pretrained(model)
     # FP8 weights can stay FP8 and INT4 ones packed (weights/int4.py), as the engine's
     # auto does on CUDA.
     fp8, i4 = _quantization(cfg)
@@ -427,7 +435,7 @@ def make_plan(model: str | Path, devices: int, **options) -> Plan:
     if o.num_speculative_tokens and not cfg.num_nextn_predict_layers:
         raise ValueError(f"--num_speculative_tokens={o.num_speculative_tokens}: no MTP layer")
     o = replace(o, tp=tp, ep=ep, weight_dtype=wd)
-    headers = read_headers(model)
+    headers = read[1] if read else read_headers(model)
     dp = devices if o.dp_attention else 1
     target, draft = build_meta(cfg, tp, ep, o.num_speculative_tokens, _COMPUTE[wd], dp)
     cache_layers = target.num_cache_layers + (len(draft.layers) if draft is not None else 0)
@@ -449,7 +457,7 @@ def make_plan(model: str | Path, devices: int, **options) -> Plan:
         ),
     )
     if o.dp_attention:
-        plan.tp_layout = _tp_layout(o)
+        plan.tp_layout = _tp_layout(o, (cfg, headers))
     return plan
 
 
@@ -474,12 +482,11 @@ def _layout(o: Options) -> tuple[int, int]:
     return tp, ep
 
 
-def _tp_layout(o: Options) -> Plan | str:
-    """The TP/EP plan (tp = ep = devices) for the same options, or why it cannot be built."""
-    same = {f.name: getattr(o, f.name) for f in fields(o) if f.name not in ("model", "devices")}
-    same.update(tp=o.devices, ep=o.devices, dp_attention=False)
+def _tp_layout(o: Options, read: tuple[ModelConfig, dict]) -> Plan | str:
+    """The TP/EP plan (tp = ep = devices) for the same options, or why it cannot be built;
+    `read`: the checkpoint's config and headers, read once for both layouts."""
     try:
-        return make_plan(o.model, o.devices, **same)
+        return _make_plan(replace(o, tp=o.devices, ep=o.devices, dp_attention=False), read)
     except ValueError as e:
         return str(e)
 
