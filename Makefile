@@ -30,7 +30,10 @@ PYTEST_WORKERS ?= 2
 # The tests marked `slow` (graph exactness at scale; 2-rank TP, DP attention and the two-node
 # cluster in graph mode: about 40 minutes) are left out: `make test-slow`.
 # Triton kernels run in Triton's interpreter here (on CPU tensors; a GPU's too, if any).
+# Bytecode first: every daemon, core and rank process the suite starts imports our modules,
+# and where PYTHONDONTWRITEBYTECODE is set each would compile them from source again.
 test: setup
+	$(VPY) -m compileall -q xllm_py tests perf tools
 	TRITON_INTERPRET=1 $(VPY) -m pytest tests -m "not slow" $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 test-slow: setup

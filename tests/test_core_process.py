@@ -1,16 +1,20 @@
 """The engine core in its own process (xllm_py/engine/core_process.py), against the
 real daemon: answers come through the core process, and when the core dies mid-stream
-every client gets an error, /health answers 503 and the daemon exits non-zero."""
+every client gets an error, /health answers 503 and the daemon exits non-zero; when the
+daemon dies, the core goes too, even in the middle of its start-up."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
-from tests.server_utils import HTTP, Server
+from tests.server_utils import HTTP, ROOT, Server, free_port
 
 
 def _core_pid(daemon_pid: int) -> int:
@@ -57,3 +61,32 @@ def test_killing_the_core_mid_stream_fails_every_client_and_the_daemon():
         assert s.proc.wait(60) != 0
     finally:
         s.stop()
+
+
+def test_a_core_whose_daemon_dies_during_start_up_exits_with_it(tmp_path):
+    """The daemon killed while its core compiles graphs at start-up (before the core reads
+    its pipe; a cold compile cache makes that a minute here): the core exits within
+    seconds instead of compiling on, orphaned, to the end of its start-up."""
+    cmd = [sys.executable, "-m", "xllm_py", "--port", str(free_port()), "--dtype=float32",
+           "--enable_graph=true", "--graph_warm_up=startup",
+           f"--compile_cache_dir={tmp_path}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        for line in proc.stderr:  # the core logs its cache just before it compiles
+            if "(engine core): KV cache" in line:
+                break
+        else:
+            raise AssertionError(f"the daemon exited with {proc.wait()} before its core built")
+        core = _core_pid(proc.pid)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{core}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = Path(f"/proc/{core}").exists()
+        if alive:
+            os.kill(core, signal.SIGKILL)
+        assert not alive, "the orphaned core was still running 10 s after its daemon died"
+    finally:
+        proc.kill()
+        proc.stderr.close()

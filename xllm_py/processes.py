@@ -22,6 +22,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -147,15 +149,32 @@ def start_core_process(a: EngineArgs, config: EngineConfig, on_worker_drain):
     return core_process.CoreProcessClient(__name__, boot, config, on_worker_drain)
 
 
+def exit_with_parent(interval: float = 1.0) -> None:
+    """Exit when the HTTP process is gone, however it went. Its pipe closing tells a core
+    that is serving; a core still being built (weights loading, graphs compiling: minutes)
+    reads nothing until it is, and would run on orphaned to the end of its start-up,
+    holding its memory (a restarted daemon's core then finds the device full)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def core_main() -> int:
     """The engine core process: read Boot from the pipe, build the core it describes,
     serve it (engine/core_process.py's run_core)."""
     from xllm_py.engine.engine_core import EngineCore
 
     # The HTTP process owns the lifetime: a terminal's Ctrl-C or a SIGTERM to the process
-    # group drains there, and the core exits when told to (or when its pipe closes).
+    # group drains there, and the core exits when told to (or when its pipe closes, or its
+    # parent is gone).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    exit_with_parent()
     channel = core_process.child_channel()
     try:
         boot = channel.recv_first(Boot)

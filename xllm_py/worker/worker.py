@@ -236,6 +236,24 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+def target_q_lens(spec) -> tuple[int, ...]:
+    """The query lengths the target's graphs take: one row per request without MTP, 1 + k
+    for the verification of k drafts. Adaptive speculation verifies any number up to k, so
+    each of those lengths gets its graphs; the confidence policy and
+    speculative_disable_batch_size run steps without drafts (one row). With neither, every
+    decode step verifies drafts, and one whose requests have fewer (max_tokens near, a
+    grammar refusing a draft) pads into the 1 + k graph: a one-row graph would be compiled
+    for steps that almost never come."""
+    k = spec.num_speculative_tokens
+    if not k:
+        return (1,)
+    if spec.adaptive:
+        return tuple(range(1, k + 2))
+    if spec.confidence is None and not spec.speculative_disable_batch_size:
+        return (1 + k,)
+    return (1, 1 + k)
+
+
 class Worker:
     def __init__(self, config: EngineConfig, parallel: ParallelContext = SINGLE) -> None:
         """`parallel`: this rank's place in its replica (tensor/expert parallel); the draft
@@ -388,12 +406,7 @@ class Worker:
         graphs = proposer = draft_sampler = None
         k = spec.num_speculative_tokens
         if self.graph_mode:
-            # Verification of k drafts has 1 + k rows per request; adaptive speculation
-            # verifies any number up to k, so each of those lengths gets its graphs.
-            q_lens = tuple(range(1, k + 2)) if spec.adaptive else (1, 1 + k)
-            graphs = self._graph_runner(
-                self.model.forward, caches, num_blocks, q_lens if k else (1,)
-            )
+            graphs = self._graph_runner(self.model.forward, caches, num_blocks, target_q_lens(spec))
         if self.draft is not None:
             if spec.draft_sampling == "sampled":
                 draft_sampler = DraftSampler(sampler, rows)
