@@ -67,29 +67,35 @@ def vocab_size():
 # The suite runs on two pytest-xdist workers a file at a time (`make test`); files go to
 # whichever worker is free, in collection order. The longest files start first so that
 # both workers finish together (a long file taken last would run alone at the end).
-LONGEST_FILES = [
+LONGEST_FILES = [  # by their seconds in a CI run (--durations=0), most first
     "test_spec_sampling_distribution.py",
     "test_cluster.py",
-    "test_tensor_parallel.py",
     "test_graph_mode.py",
-    "test_clients.py",
     "test_fuzz.py",
-    "test_cluster_security.py",
+    "test_clients.py",
     "test_spec_sharegpt.py",
+    "test_dp_attention.py",
     "test_structured_outputs.py",
-    "test_soak.py",
-    "test_ray_launch.py",
-    "test_train_tool.py",
     "test_mtp_sweep.py",
+    "test_train_tool.py",
+    "test_ray_launch.py",
     "test_grammar_limits.py",
-    "test_stream_backpressure.py",
-    "test_responses_api.py",
-    "test_messages_api.py",
-    "test_hf_reference.py",
+    "test_plan.py",
     "test_kernel_backends.py",
+    "test_soak.py",
+    "test_checkpoints.py",
+    "test_tool_parsers_v31_kimi.py",
     "test_dsml_parser.py",
-    "test_api_consistency.py",
+    "test_api_server.py",
+    "test_responses_api.py",
+    "test_cluster_security.py",
+    "test_stream_backpressure.py",
+    "test_tool_calls.py",
+    "test_messages_api.py",
+    "test_api_fields.py",
     "test_train_mtp_head.py",
+    "test_api_consistency.py",
+    "test_tensor_parallel.py",
 ]
 
 
