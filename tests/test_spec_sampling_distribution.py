@@ -150,6 +150,14 @@ def test_plain_against_plain_passes_the_threshold(ids, plain, setting):
 # Every setting at k = 3 (three chained drafts, every verification outcome); k = 1 for one
 # of them (suite time); k = 2: the TP, DP-attention and hot-vocabulary runs below, and
 # graph mode (tests/test_graph_mode.py).
+# Runs in which "auto" leaves drafts unverified: at 2,000 requests (512 a step) its fit of
+# the step cost has too few steady steps to start, and the calibrated chances fall below
+# the start threshold at the third draft of the more concentrated settings (measured here:
+# 131, 33 and 64 of about 7,000 drafts; none at T = 1.0, whose first drafts are accepted
+# too often for the chance to fall that low).
+AUTO_CUTS = {("t0.7-topk12-topp0.9", 3), ("t0.8-penalties", 3), ("t1.0-json", 3)}
+
+
 @pytest.mark.parametrize("setting, k", [(s, 3) for s in SETTINGS] + [("t1.0", 1)])
 def test_speculative_sampling_keeps_the_distribution(ids, plain, setting, k):
     """At the defaults: sampled drafts, --speculative_confidence=auto."""
@@ -158,6 +166,8 @@ def test_speculative_sampling_keeps_the_distribution(ids, plain, setting, k):
     m = llm.get_metrics()
     # both verification outcomes occur: drafts are accepted and drafts are rejected
     assert 0 < m.accepted_tokens < m.draft_tokens
+    if (setting, k) in AUTO_CUTS:  # and the policy chose which drafts to verify
+        assert m.cut_draft_tokens > 0
     assert_same_distribution(plain[setting], spec, f"k={k} vs plain, {setting}")
 
 

@@ -533,6 +533,15 @@ class SpecConfig:
     # follows load), a fixed threshold in (0, 1), or None (always num_speculative_tokens).
     confidence: str | float | None = "auto"
 
+    @property
+    def confidence_scheduled(self) -> bool:
+        """Whether the confidence policy picks each request's drafts (and "auto"'s gate
+        whether a step drafts): MTP on, a policy set, and adaptive speculation (which picks
+        one k per step from its own cost table) off."""
+        return (
+            bool(self.num_speculative_tokens) and self.confidence is not None and not self.adaptive
+        )
+
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(

@@ -139,7 +139,7 @@ class EngineCore(EngineCoreClient):
 def _confidence_policy(spec) -> ConfidencePolicy | None:
     """Confidence-scheduled draft length when drafting is on (adaptive speculation, which
     picks one k for the whole step from its own cost table, takes its place)."""
-    if not spec.num_speculative_tokens or spec.confidence is None or spec.adaptive:
+    if not spec.confidence_scheduled:
         return None
     return ConfidencePolicy(spec.num_speculative_tokens, spec.confidence)
 

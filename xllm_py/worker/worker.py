@@ -249,7 +249,7 @@ def target_q_lens(spec) -> tuple[int, ...]:
         return (1,)
     if spec.adaptive:
         return tuple(range(1, k + 2))
-    if spec.confidence is None and not spec.speculative_disable_batch_size:
+    if not spec.confidence_scheduled and not spec.speculative_disable_batch_size:
         return (1 + k,)
     return (1, 1 + k)
 
