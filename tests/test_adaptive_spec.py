@@ -354,3 +354,20 @@ def test_the_plan_does_not_depend_on_the_tokens_drawn():
         assert all(p == plans[0] for p in plans)
         if trial == 0:  # unseeded sampled rows really drew different tokens
             assert len({tuple(t[:4]) for t in drawn}) > 1
+
+
+def test_gate_check_measures_plain_auto_and_always_on_the_same_rounds(tmp_path):
+    """perf/gate_check.py, small: three engines, interleaved rounds, the ratios it reports
+    are its own rounds' (auto's steps split into drafting and not)."""
+    from perf.gate_check import main
+
+    out = tmp_path / "gate.json"
+    r = main(["--concurrency", "2", "--num-prompts", "4", "--input-len", "32",
+              "--output-len", "8", "16", "--rounds", "2", "--out", str(out)])  # fmt: skip
+    assert out.is_file() and r["settings"]["k"] == 1
+    for arm in ("plain", "auto", "always"):
+        assert len(r["output_tok_s"][arm]) == 2 and min(r["output_tok_s"][arm]) > 0
+    for arm in ("auto", "always"):
+        want = [x / p for x, p in zip(r["output_tok_s"][arm], r["output_tok_s"]["plain"])]
+        assert r["ratio_to_plain"][arm] == pytest.approx(want)
+    assert r["auto_steps"]["drafting"] > 0  # a new bucket measures drafting first

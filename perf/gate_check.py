@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Does --speculative_confidence=auto pick the faster kind of step? One process, no HTTP:
+three engines on the same checkpoint, their rounds interleaved, each round the same
+prompts for all three:
+
+    plain    num_speculative_tokens=0
+    auto     MTP k with the defaults (the gate decides per batch size whether steps draft)
+    always   MTP k with --speculative_confidence=off (every step drafts, every draft verified)
+
+    python -m perf.gate_check --k 3 --concurrency 8 --draft-vocab-size 512 --graph
+    python -m perf.gate_check --k 1 --concurrency 4 --rounds 8
+
+A round is a closed loop at --concurrency: --num-prompts random-id prompts of --input-len
+tokens with output lengths drawn from --output-len (so requests finish at different steps,
+as a server's do), at most --concurrency running, greedy, EOS ignored. Output tok/s per
+round; the per-round ratios to plain and their medians are printed and written to
+--out. Round 0 is a warm-up (the gate's first measurements, graph warm-up) and is not
+counted. The serving sweep (perf/mtp_sweep.py --rounds) measures the same through the
+daemon, where a round's spread on a shared 2-core machine is about +-10%; here it is
+smaller, so auto's cost against the better of plain and always shows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import statistics
+import time
+
+from perf.common import RESULTS, command, machine, parser, print_block, settings, write_json
+
+ARMS = ("plain", "auto", "always")
+
+FLAGS = [
+    ("--model", str, None, "checkpoint directory (None: the bundled model)"),
+    ("--k", int, 1, "MTP draft tokens of the auto and always engines"),
+    ("--concurrency", int, 4, "requests running at once"),
+    ("--num-prompts", int, 24, "requests per round"),
+    ("--input-len", int, 256, "prompt tokens (random ids)"),
+    ("--output-len", int, [64, 192], "output tokens: N, or LOW HIGH drawn per request"),
+    ("--rounds", int, 5, "counted rounds (after one warm-up round)"),
+    ("--draft-vocab-size", int, 0, "--speculative_draft_vocab_size of the MTP engines (0: whole)"),
+    ("--graph", bool, False, "graph mode, buckets 1, 2, 4, 8 (compiles at start-up: minutes)"),
+    ("--dtype", str, "float32", "weights and activations"),
+    ("--out", str, str(RESULTS / "gate_check.json"), "result JSON"),
+]  # fmt: skip
+
+
+def engines(args) -> dict:
+    from xllm_py import LLM
+
+    common = dict(
+        dtype=args.dtype,
+        max_seqs_per_batch=args.concurrency,
+        enable_graph=args.graph,
+        **({"model": args.model} if args.model else {}),
+    )
+    mtp = dict(common, num_speculative_tokens=args.k)
+    if args.draft_vocab_size:
+        mtp["speculative_draft_vocab_size"] = args.draft_vocab_size
+    return {
+        "plain": LLM(**common),
+        "auto": LLM(**mtp),
+        "always": LLM(**mtp, speculative_confidence="off"),
+    }
+
+
+_ids = itertools.count()
+
+
+def run_round(llm, prompts: list[list[int]], lengths: list[int]) -> float:
+    """Output tokens per second of one closed-loop round."""
+    from xllm_py import SamplingParams
+
+    engine = llm.engine
+    for p, n in zip(prompts, lengths):
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        engine.add_request(f"g{next(_ids)}", {"prompt_token_ids": p}, params)
+    tokens, t0 = 0, time.perf_counter()
+    while engine.has_unfinished():
+        tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    return tokens / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser(__doc__, FLAGS).parse_args(argv)
+    low, high = (args.output_len * 2)[:2]
+    llms = engines(args)
+    vocab = llms["plain"].engine.config.model.vocab_size
+    rates: dict[str, list[float]] = {a: [] for a in ARMS}
+    for r in range(args.rounds + 1):
+        rnd = random.Random(r)  # new prompts each round: no prefix-cache hits across rounds
+        prompts = [
+            [rnd.randrange(2, vocab) for _ in range(args.input_len)]
+            for _ in range(args.num_prompts)
+        ]
+        lengths = [rnd.randint(low, high) for _ in prompts]
+        for arm in ARMS[r % 3 :] + ARMS[: r % 3]:  # order rotated by the round
+            rate = run_round(llms[arm], prompts, lengths)
+            print(f"round {r}{' (warm-up)' if r == 0 else ''}, {arm}: {rate:.1f} output tok/s")
+            if r:
+                rates[arm].append(rate)
+    ratios = {a: [x / p for x, p in zip(rates[a], rates["plain"])] for a in ("auto", "always")}
+    gate = llms["auto"].engine.core.scheduler.confidence.gate
+    result = {
+        "command": command("gate_check", argv),
+        "machine": machine(),
+        "settings": settings(args),
+        "output_tok_s": rates,
+        "median_tok_s": {a: statistics.median(v) for a, v in rates.items()},
+        "ratio_to_plain": ratios,
+        "median_ratio_to_plain": {a: statistics.median(v) for a, v in ratios.items()},
+        "auto_steps": {"drafting": gate.steps[True], "not_drafting": gate.steps[False]},
+    }
+    print_block(
+        f"gate check: k={args.k}, concurrency {args.concurrency}, {args.rounds} rounds",
+        [(f"{a} median output tok/s", f"{result['median_tok_s'][a]:.1f}") for a in ARMS]
+        + [(f"{a} median ratio to plain", f"{result['median_ratio_to_plain'][a]:.3f}")
+           for a in ("auto", "always")]
+        + [("auto: steps drafting / not", f"{gate.steps[True]} / {gate.steps[False]}")],
+    )  # fmt: skip
+    write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
