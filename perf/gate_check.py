@@ -16,8 +16,9 @@ as a server's do), at most --concurrency running, greedy, EOS ignored. Output to
 round; the per-round ratios to plain and their medians are printed and written to
 --out. Round 0 is a warm-up (the gate's first measurements, graph warm-up) and is not
 counted. The serving sweep (perf/mtp_sweep.py --rounds) measures the same through the
-daemon, where a round's spread on a shared 2-core machine is about +-10%; here it is
-smaller, so auto's cost against the better of plain and always shows.
+daemon, HTTP and a second process included; here only the engines run, but a shared
+2-core machine still moves single rounds by 10-25% (the committed run's ratios to plain
+spread from 0.86x to 1.26x), so use enough rounds for the medians to settle.
 """
 
 from __future__ import annotations
