@@ -299,6 +299,25 @@ def test_auto_holds_a_decision_while_the_batch_size_moves():
     assert rate > 0.97 * max(fixed_rate(batches, cost, 1.6, d, 1600) for d in (True, False))
 
 
+def test_auto_compares_the_kinds_under_the_same_load_while_the_machine_speed_drifts():
+    """The machine's speed moves (other processes, the clock): every step costs 1.5 times
+    as much for 48 steps, then its own cost for 48, and so on, three periods each way.
+    Drafting is 10% slower at any load. Measured apart (drafting's periods in the fast
+    phase, plain decoding's in the slow one), drafting would look 35% faster; compared in
+    adjacent pairs, "auto" keeps it off and runs within a few percent of plain decoding."""
+    policy = ConfidencePolicy(1, threshold="auto")
+    step = iter(range(10**6))
+
+    def cost(b, drafting):
+        load = 1.5 if (next(step) // (3 * PERIOD)) % 2 else 1.0
+        return load * 0.010 * (1.6 / 0.9 if drafting else 1.0)
+
+    chosen, rate = gated(policy, lambda s: 1, cost, 1.6, 3000)
+    assert sum(chosen[-2000:]) < 0.2 * 2000
+    plain = 2 / (0.010 + 0.015)  # a token a step, half the steps at each load
+    assert rate > 0.95 * plain
+
+
 def test_a_fixed_threshold_always_drafts():
     policy = ConfidencePolicy(2, threshold=0.5)
     costly, _ = gated(policy, lambda s: 8, lambda b, d: 0.1 if d else 0.01, 1.0, 50)

@@ -379,9 +379,9 @@ def test_worker_with_other_config_is_refused_then_the_master_times_out():
     """A worker with another --block_size is refused (exit 2, both logs say why); the
     master goes on waiting for a good node 1, and at --cluster_timeout exits 1 naming the
     rank that never registered."""
-    # 30 s: a worker's start (imports, the registration call) takes a few seconds even on
+    # 20 s: a worker's start (imports, the registration call) takes a few seconds even on
     # a loaded machine, and the master idles out the rest of the timeout
-    flags = ("--dtype=float32", CACHE, "--cluster_timeout=30")
+    flags = ("--dtype=float32", CACHE, "--cluster_timeout=20")
     with Cluster(*flags, worker_flags=("--block_size=32",)) as c:
         assert c.worker.wait(60) == 2
         out = c.worker.output()
@@ -389,7 +389,7 @@ def test_worker_with_other_config_is_refused_then_the_master_times_out():
         assert "block_size: master 128, worker 32" in c.master.output()
         assert c.master.proc.poll() is None  # still waiting for a good node 1
         assert c.master.wait(90) == 1
-        assert "no worker registered for node rank(s) 1 within --cluster_timeout=30 s" in (
+        assert "no worker registered for node rank(s) 1 within --cluster_timeout=20 s" in (
             c.master.output()
         )
 

@@ -22,19 +22,23 @@ before drafted or not as this one does (the step that turns drafting on pays for
 whose drafts the next step verifies; the one that turns it off verifies drafts it did not
 pay for). A period with fewer than PERIOD / 2 of them (prompts arriving) is not counted.
 
-Samples are kept per batch-size bucket (speculative/adaptive.py's: 1, 2, 3-4, 5-8, ...),
-the last KEEP of each kind; a bucket's rate of a kind is their median (a collector pause
-or another process moves one sample, not the decision). A period's bucket is the batch
-size at its start. Each bucket first measures each kind for MEASURE periods (drafting
-first), then runs the kind with the higher rate: drafting must beat plain decoding by
-MARGIN to take over, and keeps the bucket while it is not slower, so MTP is never chosen
-on a measurement that cannot tell it from plain. Every EXPLORE_EVERY periods of a bucket
-(up to 8 times that, the more the kinds' rates differ) the other kind runs one period,
-so its rate stays current; a trial that measures faster than the incumbent is run again
-at once, so two fresh samples of three decide, not the stale ones: a workload that starts
-to accept drafts (or stops) is noticed within some hundreds of steps. What exploring
-costs when drafting does not pay: one period in EXPLORE_EVERY x (1 + gap in tenths), at
-a rate lower by that gap (at a gap of 20%: one period in 24, about 0.8% of the tokens).
+The two kinds are compared in PAIRS of adjacent periods, not as two averages: the machine
+a daemon shares (other processes, the clock, the host's other tenants) moves a period's
+rate by 10-30% over minutes, several times the gap being measured, so a drafting period
+is only compared with the plain period just before or just after it in the same batch
+bucket (speculative/adaptive.py's buckets: 1, 2, 3-4, 5-8, ...), whatever the load was
+then. Each pair gives a ratio, drafting rate / plain rate; a bucket keeps its last KEEP
+ratios, and their median decides. A bucket first alternates the kinds, drafting first,
+until it has MEASURE ratios, then runs the kind the median favours: drafting must measure
+MARGIN faster than plain decoding to take over, and keeps the bucket while it is not
+slower, so MTP is never chosen on a measurement that cannot tell it from plain. Every
+EXPLORE_EVERY periods of a bucket (up to 8 times that, the further the median ratio is
+from 1) the other kind runs one period as a trial; with the incumbent periods on either
+side of it, a trial gives two ratios, a majority of KEEP, so one trial that agrees with
+both of its neighbours changes the decision: a workload that starts to accept drafts (or
+stops) is noticed within some hundreds of steps. What exploring costs when drafting does
+not pay: one period in EXPLORE_EVERY x (1 + gap in tenths), at a rate lower by that gap
+(at a gap of 20%: one period in 24, about 0.8% of the tokens).
 
 Whether a step drafts depends on batch sizes, timings and the tokens earlier steps
 emitted, never on a draft the step verifies, so the gate cannot bias the output
@@ -56,8 +60,9 @@ from xllm_py.speculative.adaptive import batch_bucket
 logger = logging.getLogger(__name__)
 
 PERIOD = 16  # steps one decision holds
-MEASURE = 3  # periods of each kind a bucket measures before it compares them
-KEEP = 3  # rate samples kept per bucket and kind
+MEASURE = 3  # ratios a bucket measures (alternating the kinds) before it decides
+KEEP = 3  # ratios kept per bucket
+ADJACENT = 2  # a pair's periods are at most this many periods apart (of any bucket)
 EXPLORE_EVERY = 8  # bucket periods between trials of the kind not running
 MARGIN = 0.03  # drafting must measure this much faster than plain decoding to take over
 
@@ -71,20 +76,22 @@ class _Period:
     requests: int = 0  # their batch sizes, summed
     tokens: float = 0.0
     seconds: float = 0.0
+    index: int = 0  # the gate's period count when this one opened
 
 
 @dataclass
 class _Bucket:
-    rates: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
+    last: dict[bool, tuple[int, float]] = field(default_factory=dict)  # kind: (period, rate)
+    ratios: list[float] = field(default_factory=list)  # drafting / plain, adjacent pairs
     periods: int = 0  # periods started in this bucket
     incumbent: bool | None = None  # the kind this bucket runs between trials
-    confirm: bool = False  # the last trial measured faster than the incumbent: run another
 
 
 class DraftGate:
     def __init__(self) -> None:
         self.buckets: dict[int, _Bucket] = {}
         self.period: _Period | None = None
+        self.opened = 0  # periods opened so far, of every bucket
         self.steps = {True: 0, False: 0}  # steps chosen with drafting on and off
 
     def drafting(self, requests: int) -> bool:
@@ -108,26 +115,27 @@ class DraftGate:
         p.tokens += tokens
         p.seconds += seconds
 
-    def rates(self, bucket: _Bucket) -> tuple[float, float] | None:
-        """Tokens per second per request (drafting, plain), once both are measured."""
-        on, off = bucket.rates[True], bucket.rates[False]
-        if len(on) < MEASURE or len(off) < MEASURE:
+    @staticmethod
+    def ratio(bucket: _Bucket) -> float | None:
+        """Drafting's rate over plain decoding's (the median pair), once MEASURE are in."""
+        if len(bucket.ratios) < MEASURE:
             return None
-        return statistics.median(on), statistics.median(off)
+        return statistics.median(bucket.ratios)
 
     # ---- periods --------------------------------------------------------------------------
 
     def _open(self, requests: int) -> _Period:
+        self.opened += 1
         key = batch_bucket(requests)
         bucket = self.buckets.setdefault(key, _Bucket())
         bucket.periods += 1
-        rates = self.rates(bucket)
-        if rates is None:  # each kind measured first, drafting first
-            return _Period(len(bucket.rates[True]) < MEASURE, key)
-        best = self._best(bucket, rates, requests)
-        explore = bucket.confirm or bucket.periods % self._explore_every(rates) == 0
-        bucket.confirm = False
-        return _Period(best != explore, key)
+        ratio = self.ratio(bucket)
+        if ratio is None:  # alternate the kinds, drafting first
+            measured = max(bucket.last, key=lambda kind: bucket.last[kind][0], default=False)
+            return _Period(not measured, key, index=self.opened)
+        best = self._best(bucket, ratio, requests)
+        explore = bucket.periods % self._explore_every(ratio) == 0
+        return _Period(best != explore, key, index=self.opened)
 
     def _close(self) -> None:
         p = self.period
@@ -135,35 +143,32 @@ class DraftGate:
             return
         bucket = self.buckets[p.bucket]
         rate = p.tokens / p.seconds / (p.requests / p.steps)
-        rates = self.rates(bucket)
-        if rates is not None and bucket.incumbent is not None and p.drafting != bucket.incumbent:
-            on, off = rates  # a trial: faster than the incumbent? then confirm it at once
-            bucket.confirm = rate > off * (1.0 + MARGIN) if p.drafting else rate > on
-        samples = bucket.rates[p.drafting]
-        samples.append(rate)
-        del samples[:-KEEP]
+        other = bucket.last.get(not p.drafting)
+        if other is not None and p.index - other[0] <= ADJACENT:
+            on, off = (rate, other[1]) if p.drafting else (other[1], rate)
+            bucket.ratios.append(on / max(off, 1e-12))
+            del bucket.ratios[:-KEEP]
+        bucket.last[p.drafting] = (p.index, rate)
 
     @staticmethod
-    def _explore_every(rates: tuple[float, float]) -> int:
+    def _explore_every(ratio: float) -> int:
         """EXPLORE_EVERY periods, times 1 + the measured gap between the kinds in tenths: a
         kind 30% slower is re-measured every 4 x EXPLORE_EVERY periods, since a trial of it
         costs in proportion to the gap and is less likely to change the decision."""
-        gap = abs(rates[0] / max(rates[1], 1e-12) - 1.0)
-        return EXPLORE_EVERY * (1 + min(int(gap * 10), 7))
+        return EXPLORE_EVERY * (1 + min(int(abs(ratio - 1.0) * 10), 7))
 
     @staticmethod
-    def _best(bucket: _Bucket, rates: tuple[float, float], requests: int) -> bool:
+    def _best(bucket: _Bucket, ratio: float, requests: int) -> bool:
         """Drafting if it measures MARGIN faster, or is the incumbent and not slower."""
-        on, off = rates
-        drafting = on >= off * (1.0 if bucket.incumbent else 1.0 + MARGIN)
+        drafting = ratio >= (1.0 if bucket.incumbent else 1.0 + MARGIN)
         if drafting != bucket.incumbent:
             logger.info(
-                "speculative gate, batch %d: drafting %s (%.1f tok/s with drafts, %.1f "
-                "without, as measured)",
+                "speculative gate, batch %d: drafting %s (%.2fx plain decoding's tokens per "
+                "second, the median of the last %d adjacent pairs of periods)",
                 requests,
                 "on" if drafting else "off",
-                on * requests,
-                off * requests,
+                ratio,
+                len(bucket.ratios),
             )
         bucket.incumbent = drafting
         return drafting
