@@ -317,6 +317,13 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], path: str = "") -> ModelConfig:
         archs = cfg.get("architectures") or []
+        if "DeepseekV4ForCausalLM" in archs:
+            raise ValueError(
+                f"config.json architectures={archs!r}: DeepseekV4ForCausalLM is not served yet. "
+                "Its model (xllm_py/models/deepseek_v4.py) matches HF transformers one request "
+                "at a time; the block-paged V4 caches, batching and MTP drafts it needs to run "
+                "in the engine are not built"
+            )
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise ValueError(
                 f"config.json architectures={archs!r} is not supported; "

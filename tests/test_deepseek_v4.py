@@ -1,0 +1,167 @@
+"""DeepSeek-V4's arithmetic (xllm_py/models/deepseek_v4.py) against HF transformers'
+`DeepseekV4ForCausalLM` on tiny random checkpoints that HF itself saves (the release's
+tensor names), float32: the logits at every position of a prompt long enough that every
+compressor emits entries and the indexer chooses among more than it keeps, within 1e-4,
+and the same greedy continuation. Ours runs the prompt in chunks of uneven sizes and then
+one token at a time (its per-request state carried across: windows, pending tokens,
+overlap series, entries); HF runs each sequence whole, without a cache.
+
+The configs mix the three attention kinds (sliding window, CSA, HCA), hash-routed and
+score-routed MoE layers, hc_mult 2 and 4, plain and YaRN compress RoPE."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from xllm_py.config import ModelConfig
+from xllm_py.models.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4ForCausalLM, V4Config, V4State
+
+BASE = dict(
+    vocab_size=96,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    head_dim=32,
+    q_lora_rank=32,
+    partial_rotary_factor=8 / 32,
+    num_experts_per_tok=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    compress_rates={CSA: 4, HCA: 8},
+    sliding_window=8,
+    o_groups=2,
+    o_lora_rank=16,
+    # 8 indexer heads: a score is exactly 0 when ReLU zeroes every head, and two such
+    # entries tie for the top-k, which either engine may break its own way (with 2 heads a
+    # quarter of the entries score 0)
+    index_n_heads=8,
+    index_head_dim=16,
+    index_topk=3,
+    max_position_embeddings=256,
+    dtype="float32",
+)
+CONFIGS = {
+    "hc2-sliding-csa-hca": dict(
+        BASE,
+        num_hidden_layers=3,
+        hc_mult=2,
+        layer_types=[SLIDING, CSA, HCA],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+    ),
+    "hc4-yarn-csa-first": dict(
+        BASE,
+        num_hidden_layers=4,
+        hc_mult=4,
+        layer_types=[CSA, HCA, SLIDING, CSA],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    ),
+}
+PROMPT, CHUNKS, DECODE = 29, (5, 11, 13), 12  # 29 prompt tokens fed 5 + 11 + 13, then 12 decoded
+
+
+def hf_checkpoint(name: str, path, seed: int = 0):
+    """A random HF DeepseekV4ForCausalLM, every parameter and buffer drawn so that each
+    one matters (HF initialises sinks, position biases, hash tables and hc biases to
+    constants), saved with save_pretrained."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.DeepseekV4Config(**CONFIGS[name])
+    model = transformers.DeepseekV4ForCausalLM(cfg).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(torch.empty(p.shape).uniform_(0.7, 1.3, generator=gen))
+            elif p.dim() == 1 or "position_bias" in pname:  # sinks, hc biases and scales
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif pname.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:  # fan-in scaled, so activations stay O(1)
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        for bname, b in model.named_buffers():
+            if bname.endswith("tid2eid"):
+                k, experts = cfg.num_experts_per_tok, cfg.n_routed_experts
+                rows = [torch.randperm(experts, generator=gen)[:k] for _ in range(cfg.vocab_size)]
+                b.copy_(torch.stack(rows))
+            elif bname.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand(b.shape, generator=gen) * 0.1)
+        model.lm_head.weight.mul_(3.0)  # peaky next-token distributions: real greedy margins
+    model.save_pretrained(path)
+    return model
+
+
+def ours(path) -> DeepseekV4ForCausalLM:
+    cfg = V4Config.from_dict(json.loads((path / "config.json").read_text()))
+    model = DeepseekV4ForCausalLM(cfg).eval()
+    missing, unexpected = model.load_state_dict(load_file(path / "model.safetensors"), strict=False)
+    assert not unexpected, unexpected
+    assert not missing, missing
+    return model
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logits_and_greedy_tokens_equal_hf(name, tmp_path):
+    hf = hf_checkpoint(name, tmp_path)
+    model = ours(tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(2, CONFIGS[name]["vocab_size"], (PROMPT,), generator=gen)
+    state, logits, start = V4State.empty(model.config), [], 0
+    with torch.no_grad():
+        for size in CHUNKS:  # chunked prefill
+            logits.append(model.compute_logits(model(prompt[start : start + size], state)))
+            start += size
+        tokens = prompt.tolist()
+        for _ in range(DECODE):  # greedy, one token a step
+            tokens.append(int(logits[-1][-1].argmax()))
+            logits.append(model.compute_logits(model(torch.tensor(tokens[-1:]), state)))
+        want = hf(torch.tensor([tokens])).logits[0]
+    got = torch.cat(logits)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+    # the continuation is HF's own greedy one (its argmax at each decoded position)
+    assert tokens[PROMPT:] == want[PROMPT - 1 : -1].argmax(-1).tolist()
+    # every compressor emitted entries, and the indexer kept fewer than it could see
+    layers = [(kind, s) for kind, s in zip(model.config.layer_types, state.layers)]
+    for kind, s in layers:
+        if kind != SLIDING:
+            rate = 4 if kind == CSA else 8
+            assert s.compressor.entries.shape[0] == len(tokens) // rate
+    assert len(tokens) // 4 > model.config.index_topk
+
+
+def test_v4_config_reads_the_release_field_names():
+    """The release's config.json spells some fields the older way: per-layer
+    `compress_ratios` (0 / 4 / 128), `num_hash_layers`, `qk_rope_head_dim`."""
+    raw = {
+        k: v
+        for k, v in CONFIGS["hc2-sliding-csa-hca"].items()
+        if k not in ("layer_types", "mlp_layer_types")
+    }
+    raw |= {"compress_ratios": [0, 4, 128], "num_hash_layers": 1, "qk_rope_head_dim": 8}
+    raw.pop("compress_rates")
+    cfg = V4Config.from_dict(raw)
+    assert cfg.layer_types == (SLIDING, CSA, HCA)
+    assert cfg.mlp_layer_types == ("hash_moe", "moe", "moe")
+    assert (cfg.rope_dim, cfg.csa_rate, cfg.hca_rate) == (8, 4, 128)
+    with pytest.raises(ValueError, match="layer_types"):
+        V4Config.from_dict(
+            raw | {"compress_ratios": [0, 4, 16]} | {"layer_types": [SLIDING, "dense", HCA]}
+        )
+
+
+def test_a_v4_checkpoint_is_refused_with_what_is_missing(tmp_path):
+    hf_checkpoint("hc2-sliding-csa-hca", tmp_path)
+    with pytest.raises(ValueError, match="DeepseekV4ForCausalLM.*not served yet"):
+        ModelConfig.from_pretrained(tmp_path)
