@@ -155,6 +155,12 @@ def test_v4_config_reads_the_release_field_names():
     assert cfg.layer_types == (SLIDING, CSA, HCA)
     assert cfg.mlp_layer_types == ("hash_moe", "moe", "moe")
     assert (cfg.rope_dim, cfg.csa_rate, cfg.hca_rate) == (8, 4, 128)
+    assert cfg.compress_rope.type == "default" and cfg.compress_rope.theta == 160000.0
+    yarn = {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+            "beta_fast": 32, "beta_slow": 1, "rope_theta": 160000.0}  # fmt: skip
+    cfg = V4Config.from_dict(raw | {"compress_rope_parameters": yarn})
+    assert (cfg.compress_rope.type, cfg.compress_rope.factor) == ("yarn", 16.0)
+    assert cfg.compress_rope.cos_sin_scale == 1.0 and cfg.main_rope.type == "default"
     with pytest.raises(ValueError, match="layer_types"):
         V4Config.from_dict(
             raw | {"compress_ratios": [0, 4, 16]} | {"layer_types": [SLIDING, "dense", HCA]}

@@ -173,11 +173,15 @@ class V4Config:
 def _v4_ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
     """(main, compress): main is plain RoPE at `rope_theta`; compress is at
     `compress_rope_theta` with the config's YaRN, whose cos/sin are not rescaled (an
-    attention factor of 1, as the release computes them)."""
+    attention factor of 1, as the release computes them). HF nests the two under
+    `rope_parameters` {"main", "compress"}; the release gives the compress one as
+    `compress_rope_parameters`."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     nested = isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict)
     main_params = params["main"] if nested else {}
     compress_params = dict(params["compress"]) if nested else dict(params)
+    if isinstance(cfg.get("compress_rope_parameters"), dict):
+        compress_params = dict(cfg["compress_rope_parameters"])
     main_params = {
         "rope_theta": cfg.get("rope_theta", 10000.0),
         **main_params,
