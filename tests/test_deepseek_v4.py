@@ -108,6 +108,7 @@ def ours(path) -> DeepseekV4ForCausalLM:
     missing, unexpected = model.load_state_dict(load_file(path / "model.safetensors"), strict=False)
     assert not unexpected, unexpected
     assert not missing, missing
+    model.process_weights_after_loading()
     return model
 
 

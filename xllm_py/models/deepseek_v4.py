@@ -48,7 +48,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_py.config import RopeConfig
-from xllm_py.models.layers.rope import inverse_frequencies
+from xllm_py.models.deepseek_v3 import process_tree
+from xllm_py.models.layers.norm import RMSNorm
+from xllm_py.models.layers.rope import apply_rope, inverse_frequencies
 
 SLIDING, CSA, HCA = (
     "sliding_attention",
@@ -206,20 +208,9 @@ def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-class RMSNorm(nn.Module):
-    """V4's norms keep their weight in float32 and multiply in float32."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.weight * rms(x.float(), self.eps)).to(x.dtype)
-
-
 class Rope:
-    """cos/sin of interleaved pairs on the trailing `dim` channels of a head."""
+    """Rotation of interleaved pairs (models/layers/rope.py's `apply_rope`) on the trailing
+    `dim` channels of a head, at any positions."""
 
     def __init__(self, rope: RopeConfig, dim: int) -> None:
         self.inv_freq = inverse_frequencies(rope, dim)
@@ -230,14 +221,11 @@ class Rope:
     ) -> torch.Tensor:
         """x [T, ..., D] rotated at positions [T] (by minus the angle with `inverse`)."""
         freqs = positions.float()[:, None] * self.inv_freq.to(x.device)  # [T, dim / 2]
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (freqs.shape[-1],)
-        cos = (freqs.cos() * self.scale).view(shape)
-        sin = (freqs.sin() * self.scale).view(shape) * (-1.0 if inverse else 1.0)
+        cis = torch.polar(torch.full_like(freqs, self.scale), freqs).unsqueeze(1)
         dim = 2 * freqs.shape[-1]
-        nope, rot = x[..., :-dim], x[..., -dim:].float()
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
-        return torch.cat([nope, out.to(x.dtype)], dim=-1)
+        rot = x[..., -dim:].reshape(x.shape[0], -1, dim)
+        rot = apply_rope(rot, cis.conj() if inverse else cis).view(*x.shape[:-1], dim)
+        return torch.cat([x[..., :-dim], rot], dim=-1)
 
 
 def linear(dim_in: int, dim_out: int) -> nn.Linear:
@@ -598,6 +586,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.head = linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.head.weight = self.model.embed_tokens.weight
+
+    def process_weights_after_loading(self) -> None:
+        process_tree(self)
 
     def forward(self, input_ids: torch.Tensor, state: V4State) -> torch.Tensor:
         """The next tokens of one request, input_ids [S] -> hidden states [S, hidden];
