@@ -99,9 +99,14 @@ JOBS = [
 ]
 
 
+# On 4 ranks (4 processes on a 2-core machine), the jobs that 2 ranks cannot show: ranks
+# with nothing to run (`uneven`) and one rank reaching the context's end alone
+FOUR_RANK_JOBS = ("k2_uneven", "k2_context_end")
+
+
 def jobs_for(world: int) -> list[tuple]:
-    """JOBS run on `world` ranks: all on 2, the k = 2 ones on 4."""
-    return [job for job in JOBS if world == 2 or job[1] == 2]
+    """JOBS run on `world` ranks: all on 2, FOUR_RANK_JOBS on 4."""
+    return [job for job in JOBS if world == 2 or job[0] in FOUR_RANK_JOBS]
 
 
 def _rank_jobs(prompts, parallel: ParallelContext) -> dict:
@@ -152,7 +157,7 @@ def test_dp_attention_ranks_generate_like_one_process(prompts, single, world, tm
             assert_same_logprobs(merged[i][1], logprobs, where)
     # the tight cache did preempt on some rank (else the test would not test it), and
     # rank 0's requests stopped at the context end, short of their 64 tokens
-    assert any(rank["k2_preempted"][2] > 0 for rank in ranks)
+    assert world != 2 or any(rank["k2_preempted"][2] > 0 for rank in ranks)
     ends = ranks[0]["k2_context_end"][0]
     assert ends and all(len(prompts[i]) + len(t) == CONTEXT_END for i, (t, _) in ends.items())
 

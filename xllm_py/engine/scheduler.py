@@ -289,6 +289,9 @@ class Scheduler:
         if self.confidence is not None:
             self._emitted = (sched, sum(1 + accepted for _, accepted in judged))
             self.confidence.observe_acceptance(scored)
+            self.confidence.observe_prompt_passes(
+                sched.num_draft_tokens != 0, self._emitted[1], result.mtp_prompt_seconds
+            )
         return outputs
 
     @staticmethod

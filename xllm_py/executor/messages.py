@@ -75,3 +75,7 @@ class ModelRunnerOutput:
     draft_scores: list[list[float]] = field(default_factory=list)
     # [R] or []: the prompt logprobs a step computed, for the requests that asked
     prompt_logprobs: list[PromptLogprobs | None] = field(default_factory=list)
+    # seconds of this step's MTP passes spent on prompt positions (the pass's time times
+    # their share of its rows): what drafting costs beyond the decode steps, which "auto"'s
+    # gate charges to drafting (speculative/gate.py); 0.0 where the step ran none
+    mtp_prompt_seconds: float = 0.0

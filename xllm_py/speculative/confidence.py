@@ -171,6 +171,12 @@ class ConfidencePolicy:
                 if j < accepted:
                     self.accepted[j][b] += 1.0
 
+    def observe_prompt_passes(self, drafted: bool, tokens: float, seconds: float) -> None:
+        """Any step: whether it drafted, the tokens it emitted, and the seconds its MTP
+        passes spent on prompt positions (which a step that does not draft skips)."""
+        if self.gate is not None and drafted:
+            self.gate.charge(tokens, seconds)
+
     def observe_step(
         self, requests: int, rows: int, seconds: float, tokens: float, drafted: bool, steady: bool
     ) -> None:

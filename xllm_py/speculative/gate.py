@@ -22,6 +22,17 @@ before drafted or not as this one does (the step that turns drafting on pays for
 whose drafts the next step verifies; the one that turns it off verifies drafts it did not
 pay for). A period with fewer than PERIOD / 2 of them (prompts arriving) is not counted.
 
+Drafting also costs outside those steps: a step that drafts runs the MTP layer over the
+prompt chunks it carries (so that their requests' drafts attend over the prompt), and one
+that does not skips them. On a small model that pass is a large share of a prompt's cost
+(the bundled 4-layer models: about a quarter; DeepSeek-V3: a sixty-first), enough to
+turn decode steps that measure a few percent faster into fewer tokens per second end to
+end. So the gate keeps the seconds those passes took per token emitted, over the steps
+that drafted (decayed by PROMPT_DECAY a step), and a drafting period's rate is charged
+that much per token it emitted:
+
+    drafting rate   tokens / (seconds + tokens x prompt pass seconds per token) / batch
+
 The two kinds are compared in PAIRS of adjacent periods, not as two averages: the machine
 a daemon shares (other processes, the clock, the host's other tenants) moves a period's
 rate by 10-30% over minutes, several times the gap being measured, so a drafting period
@@ -42,11 +53,12 @@ not pay: one period in EXPLORE_EVERY x (1 + gap in tenths), at a rate lower by t
 
 Whether a step drafts depends on batch sizes, timings and the tokens earlier steps
 emitted, never on a draft the step verifies, so the gate cannot bias the output
-(speculative/confidence.py says why that matters). While drafting is off the decoding
-requests' MTP latent cache gets no entries for the positions they decode; drafts
+(speculative/confidence.py says why that matters). While drafting is off the requests'
+MTP latent cache gets no entries for the positions they decode or prefill; drafts
 proposed after the gate turns it back on attend over those slots as they are (lossless
-still, acceptance lower on those requests), as with adaptive k = 0. Prompt chunks always
-run the MTP layer, so a request admitted while drafting is off drafts well once it is on.
+still, acceptance lower on those requests), as with adaptive k = 0. A request admitted
+during a plain trial in a bucket that drafts therefore drafts worse for its life, which
+makes drafting measure a little slower: the gate errs towards plain decoding.
 """
 
 from __future__ import annotations
@@ -65,6 +77,7 @@ KEEP = 3  # ratios kept per bucket
 ADJACENT = 2  # a pair's periods are at most this many periods apart (of any bucket)
 EXPLORE_EVERY = 8  # bucket periods between trials of the kind not running
 MARGIN = 0.03  # drafting must measure this much faster than plain decoding to take over
+PROMPT_DECAY = 0.999  # per drafting step, of the prompt passes' seconds and tokens kept
 
 
 @dataclass
@@ -93,6 +106,9 @@ class DraftGate:
         self.period: _Period | None = None
         self.opened = 0  # periods opened so far, of every bucket
         self.steps = {True: 0, False: 0}  # steps chosen with drafting on and off
+        # decayed sums over the steps that drafted: MTP prompt-pass seconds, tokens emitted
+        self.prompt_seconds = 0.0
+        self.prompt_tokens = 0.0
 
     def drafting(self, requests: int) -> bool:
         """Whether the next step, with `requests` requests running, drafts."""
@@ -114,6 +130,15 @@ class DraftGate:
         p.requests += requests
         p.tokens += tokens
         p.seconds += seconds
+
+    def charge(self, tokens: float, seconds: float) -> None:
+        """A step that drafted: the tokens it emitted and its MTP prompt passes' seconds."""
+        self.prompt_seconds = self.prompt_seconds * PROMPT_DECAY + seconds
+        self.prompt_tokens = self.prompt_tokens * PROMPT_DECAY + tokens
+
+    def prompt_cost(self) -> float:
+        """Seconds of MTP prompt passes per token emitted while drafting (0 before any)."""
+        return self.prompt_seconds / self.prompt_tokens if self.prompt_tokens > 0 else 0.0
 
     @staticmethod
     def ratio(bucket: _Bucket) -> float | None:
@@ -142,7 +167,8 @@ class DraftGate:
         if p is None or p.steps < PERIOD // 2 or p.seconds <= 0.0:
             return
         bucket = self.buckets[p.bucket]
-        rate = p.tokens / p.seconds / (p.requests / p.steps)
+        seconds = p.seconds + (p.tokens * self.prompt_cost() if p.drafting else 0.0)
+        rate = p.tokens / seconds / (p.requests / p.steps)
         other = bucket.last.get(not p.drafting)
         if other is not None and p.index - other[0] <= ADJACENT:
             on, off = (rate, other[1]) if p.drafting else (other[1], rate)

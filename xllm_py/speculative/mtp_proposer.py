@@ -1,8 +1,9 @@
 """Draft tokens from the model's own MTP layer(s).
 
-After every target pass, one batched MTP pass runs over each request's newly
-verified positions i (prefill chunks too, so the MTP layer's own latent cache
-is always filled up to the verified length):
+After every target pass that drafts, one batched MTP pass runs over each request's
+newly verified positions i (prefill chunks too, so the MTP layer's own latent cache is
+filled up to the verified length; a step that does not draft, adaptive k = 0 or the
+draft gate's plain periods, runs none and leaves those positions' slots unwritten):
 
     input   h_i (target hidden after the final norm) and t_{i+1}
     output  MTP block state x_i; logits at the request's last verified

@@ -20,6 +20,7 @@ with it (perf/structured_cost.py measured no gain), so there it is filled in lin
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import torch
 
@@ -346,10 +347,17 @@ class ModelRunner:
     def _propose(self, req_ids, sched, layouts, out: ModelRunnerOutput, hidden):
         """Run the MTP layer over every request's newly verified positions; drafts (and
         their scores) for the requests that sampled this step (greedy or not: verification
-        is exact for both).
-        With adaptive k = 0 (`sched.num_draft_tokens`) only prompt chunks run it."""
+        is exact for both). A step that does not draft (`sched.num_draft_tokens` = 0:
+        adaptive k = 0, or "auto"'s gate) runs no MTP pass at all, prompt chunks included:
+        their positions stay out of the MTP cache (lossless; those requests draft worse
+        later). Sets out.mtp_prompt_seconds."""
         items, context = [], {}
         k = sched.num_draft_tokens
+        if k == 0:
+            if self.model.parallel.dp_attention:  # the other ranks' passes may need this one
+                self.proposer.propose([], None, 0)
+            return [[] for _ in req_ids], [[] for _ in req_ids]
+        prompt_rows = 0
         for i, req_id in enumerate(req_ids):
             req, lay = self.requests[req_id], layouts[i]
             drafts = sched.spec_token_ids.get(req_id, [])
@@ -357,8 +365,7 @@ class ModelRunner:
             verified = lay.q_len - len(drafts) + max(len(new) - 1, 0)  # rows now verified
             seq = req.token_ids + new  # t_{i+1} of every verified position i
             s = lay.ctx_len - lay.q_len
-            if k == 0 and s >= req.num_prompt_tokens:
-                continue  # adaptive k = 0: a decoding request skips the MTP pass
+            prompt_rows += max(min(req.num_prompt_tokens - s, verified), 0)
             items.append(
                 ProposeInput(
                     req_id=req_id,
@@ -366,7 +373,7 @@ class ModelRunner:
                     start=s,
                     next_ids=seq[s + 1 : s + 1 + verified],
                     block_ids=req.block_ids,
-                    wants_drafts=bool(new) and k != 0,
+                    wants_drafts=bool(new),
                     matcher=req.matcher,
                     sampled=self.draft_sampler is not None and not req.sampling.greedy,
                 )
@@ -374,10 +381,9 @@ class ModelRunner:
             context[req_id] = (req, new)
         if self.draft_sampler is not None:
             self.draft_sampler.begin(context)
+        started = time.perf_counter()
         drafts, scores = self.proposer.propose(items, hidden, k)
-        by_id = {it.req_id: n for n, it in enumerate(items)}
-        picked = [by_id.get(req_id) for req_id in req_ids]
-        return (
-            [[] if n is None else drafts[n] for n in picked],
-            [[] if n is None else scores[n] for n in picked],
-        )
+        if prompt_rows:
+            rows = sum(len(it.rows) for it in items)
+            out.mtp_prompt_seconds = (time.perf_counter() - started) * prompt_rows / rows
+        return drafts, scores
