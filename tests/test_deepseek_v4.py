@@ -2,9 +2,11 @@
 `DeepseekV4ForCausalLM` on tiny random checkpoints that HF itself saves (the release's
 tensor names), float32: the logits at every position of a prompt long enough that every
 compressor emits entries and the indexer chooses among more than it keeps, within 1e-4,
-and the same greedy continuation. Ours runs the prompt in chunks of uneven sizes and then
-one token at a time (its per-request state carried across: windows, pending tokens,
-overlap series, entries); HF runs each sequence whole, without a cache.
+and the same greedy continuation. Ours runs one request's prompt in chunks of uneven sizes
+and then one token at a time over its own block-paged cache rows (block size 4, blocks out
+of order: chunks and blocks end mid-window), which carry windows, pending tokens, overlap
+series and entries from one call to the next; HF runs each sequence whole, without a cache.
+Batches, the prefix cache and preemption through the engine: test_deepseek_v4_engine.py.
 
 The configs mix the three attention kinds (sliding window, CSA, HCA), hash-routed and
 score-routed MoE layers, hc_mult 2 and 4, plain and YaRN compress RoPE."""
@@ -17,8 +19,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from xllm_py.config import ModelConfig
-from xllm_py.models.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4ForCausalLM, V4Config, V4State
+from xllm_py.args import EngineArgs
+from xllm_py.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
+from xllm_py.models.attention_layout import RequestLayout, build_context
+from xllm_py.models.context import forward_context
+from xllm_py.models.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4ForCausalLM, V4Config
+from xllm_py.models.layers import compressed_attention
+from xllm_py.processes import cluster_options
 
 BASE = dict(
     vocab_size=96,
@@ -112,33 +126,49 @@ def ours(path) -> DeepseekV4ForCausalLM:
     return model
 
 
+class OneRequest:
+    """One request fed to the model a chunk at a time over its own paged cache rows."""
+
+    def __init__(self, model: DeepseekV4ForCausalLM, max_tokens: int, block_size: int = 4):
+        n = -(-max_tokens // block_size)
+        self.model, self.block_size, self.done = model, block_size, 0
+        self.caches = [torch.zeros(n + 1, block_size, w) for w in model.cache_dims]
+        self.blocks = list(range(n, 0, -1))  # out of order, block 0 unused
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """The logits after each of the next tokens `ids` [S]."""
+        s, n = self.done, ids.shape[0]
+        pos = torch.arange(s, s + n)
+        layout = [RequestLayout(0, n, s + n, self.blocks)]
+        with forward_context(build_context(layout, pos, self.caches, self.block_size)):
+            hidden = self.model(ids, pos)
+        self.done += n
+        return self.model.compute_logits(hidden)
+
+
 @pytest.mark.parametrize("name", CONFIGS)
-def test_logits_and_greedy_tokens_equal_hf(name, tmp_path):
+def test_logits_and_greedy_tokens_equal_hf(name, tmp_path, monkeypatch):
+    monkeypatch.setattr(compressed_attention, "QUERY_CHUNK", 4)  # chunks of 11, 13 split too
     hf = hf_checkpoint(name, tmp_path)
     model = ours(tmp_path)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(2, CONFIGS[name]["vocab_size"], (PROMPT,), generator=gen)
-    state, logits, start = V4State.empty(model.config), [], 0
+    request, logits, start = OneRequest(model, PROMPT + DECODE), [], 0
     with torch.no_grad():
         for size in CHUNKS:  # chunked prefill
-            logits.append(model.compute_logits(model(prompt[start : start + size], state)))
+            logits.append(request(prompt[start : start + size]))
             start += size
         tokens = prompt.tolist()
         for _ in range(DECODE):  # greedy, one token a step
             tokens.append(int(logits[-1][-1].argmax()))
-            logits.append(model.compute_logits(model(torch.tensor(tokens[-1:]), state)))
+            logits.append(request(torch.tensor(tokens[-1:])))
         want = hf(torch.tensor([tokens])).logits[0]
     got = torch.cat(logits)
     assert got.shape == want.shape
     assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
     # the continuation is HF's own greedy one (its argmax at each decoded position)
     assert tokens[PROMPT:] == want[PROMPT - 1 : -1].argmax(-1).tolist()
-    # every compressor emitted entries, and the indexer kept fewer than it could see
-    layers = [(kind, s) for kind, s in zip(model.config.layer_types, state.layers)]
-    for kind, s in layers:
-        if kind != SLIDING:
-            rate = 4 if kind == CSA else 8
-            assert s.compressor.entries.shape[0] == len(tokens) // rate
+    # the indexer kept fewer entries than the last queries could see
     assert len(tokens) // 4 > model.config.index_topk
 
 
@@ -168,7 +198,25 @@ def test_v4_config_reads_the_release_field_names():
         )
 
 
-def test_a_v4_checkpoint_is_refused_with_what_is_missing(tmp_path):
+def test_what_v4_does_not_serve_yet_is_refused_naming_it(tmp_path):
+    """MTP drafts, graph mode, more than one node and quantised checkpoints are refused for
+    V4 at start-up, each naming the flag or field; without them the config is accepted."""
     hf_checkpoint("hc2-sliding-csa-hca", tmp_path)
-    with pytest.raises(ValueError, match="DeepseekV4ForCausalLM.*not served yet"):
-        ModelConfig.from_pretrained(tmp_path)
+    model = ModelConfig.from_pretrained(tmp_path)
+    assert model.architecture == "DeepseekV4ForCausalLM"
+    assert (model.vocab_size, model.num_hidden_layers) == (96, 3)
+    args = dict(model=model, cache=CacheConfig(), scheduler=SchedulerConfig())
+    EngineConfig(device=DeviceConfig(), **args)
+    with pytest.raises(ValueError, match="num_speculative_tokens=1 .*DeepseekV4"):
+        EngineConfig(device=DeviceConfig(), spec=SpecConfig(num_speculative_tokens=1), **args)
+    with pytest.raises(ValueError, match="enable_graph=True .*DeepseekV4"):
+        EngineConfig(device=DeviceConfig(enable_graph=True), **args)
+    # the daemon's graph mode where it pays (CPU, float32) stays off for V4 unless asked for
+    assert not EngineArgs(model=str(tmp_path), dtype="float32").engine_config().device.enable_graph
+    cluster = EngineArgs(model=str(tmp_path), nnodes=2, master_node_addr="127.0.0.1:1")
+    with pytest.raises(ValueError, match="--nnodes=2: .*DeepSeek-V4, which runs on one node"):
+        cluster_options(cluster, EngineConfig(device=DeviceConfig(), **args))
+    raw = json.loads((tmp_path / "config.json").read_text())
+    for quant in ({"quantization_config": {"quant_method": "fp8"}}, {"expert_dtype": "fp4"}):
+        with pytest.raises(ValueError, match="DeepseekV4.*quantised"):
+            ModelConfig.from_dict(raw | quant)

@@ -20,10 +20,7 @@ weights, routed experts packed by tools/quantize_int4.py at group 32). Here:
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +29,7 @@ import torch
 from tests.hf_reference import CHECKPOINT_SEEDS, make_hf_checkpoint, reference_prompts
 from tests.test_model_families import GROUP, KIMI
 from tests.test_ops_fused_moe import CONTRACT_TOL, TOL, make_ids
+from tests.triton_lowering import lower_packed_moe
 from tools.make_header_checkpoint import family_config, make_header_checkpoint
 from tools.quantize_int4 import quantize_checkpoint
 from xllm_py import LLM, SamplingParams
@@ -198,38 +196,11 @@ def test_fused_moe_on_packed_experts_on_cuda_at_kimi_k2_shapes(kimi_k2_experts, 
     torch.testing.assert_close(got.float(), want.float(), **TOL["cuda"])
 
 
-# Lowers both kernels with INT4 weights for sm_90, in bf16 and fp32, and prints whether each
-# IR unpacks (tt.reshape) and multiplies (tt.dot). The DOT constexpr is a Triton dtype,
-# which tests/triton_lowering.py's JSON cases cannot carry, hence this small script.
-LOWER = """
-import json
-import triton.language as tl
-from tests.triton_lowering import lower_for_hopper
-from xllm_py.ops import fused_moe
-out = {}
-for name, block_n in (("_gate_up_kernel", 64), ("_down_kernel", 128)):
-    kernel = getattr(fused_moe, name)
-    for dtype, dot in (("bf16", tl.bfloat16), ("fp32", tl.float32)):
-        types = {n: "*" + dtype for n in kernel.arg_names if n.endswith("_ptr")}
-        types |= {"w_ptr": "*i32", "ws_ptr": "*bf16", "rows_ptr": "*i32", "sorted_ptr": "*i32",
-                  "expert_ptr": "*i32"}
-        constexprs = dict(FP8=False, INT4=True, DOT=dot, GROUP_K=32, BLOCK_M=16,
-                          BLOCK_N=block_n, BLOCK_K=64,
-                          PRECISION="ieee" if dtype == "fp32" else None)
-        ir = lower_for_hopper(kernel, types, constexprs)
-        out[name + "-" + dtype] = ["tt.reshape" in ir, "tt.dot" in ir]
-print(json.dumps(out))
-"""
-
-
 def test_fused_moe_int4_kernels_build_for_hopper():
+    """Both kernels lower for sm_90 with INT4 weights: each unpacks (tt.reshape) and
+    multiplies (tt.dot)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", LOWER], capture_output=True, text=True,
-                          env=env, cwd=root, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    built = json.loads(done.stdout.strip().splitlines()[-1])
+    built = lower_packed_moe("*i32", "*bf16", True, ["tt.reshape", "tt.dot"])
     assert len(built) == 4 and all(v == [True, True] for v in built.values()), built
 
 

@@ -87,3 +87,44 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# Lowers fused-MoE's two kernels with packed weights (ops/fused_moe.py) for sm_90, in bf16
+# and fp32, and prints, per kernel and dtype, whether the IR holds each marker (e.g.
+# "tt.reshape": the tile unpacked; "tt.dot": multiplied). The DOT constexpr is a Triton
+# dtype, which the JSON cases above cannot carry, hence a script.
+_PACKED_MOE = """
+import json
+import triton.language as tl
+from tests.triton_lowering import lower_for_hopper
+from xllm_py.ops import fused_moe
+out = {}
+for name, block_n in (("_gate_up_kernel", 64), ("_down_kernel", 128)):
+    kernel = getattr(fused_moe, name)
+    for dtype, dot in (("bf16", tl.bfloat16), ("fp32", tl.float32)):
+        types = {n: "*" + dtype for n in kernel.arg_names if n.endswith("_ptr")}
+        types |= {"w_ptr": W_TYPE, "ws_ptr": WS_TYPE, "rows_ptr": "*i32",
+                  "sorted_ptr": "*i32", "expert_ptr": "*i32"}
+        constexprs = dict(FP8=False, INT4=INT4, DOT=dot, GROUP_K=32, BLOCK_M=16,
+                          BLOCK_N=block_n, BLOCK_K=64,
+                          PRECISION="ieee" if dtype == "fp32" else None)
+        ir = lower_for_hopper(kernel, types, constexprs)
+        out[name + "-" + dtype] = [m in ir for m in MARKERS]
+print(json.dumps(out))
+"""
+
+
+def lower_packed_moe(w_type: str, ws_type: str, int4: bool, markers: list[str]) -> dict:
+    """{kernel-dtype: [whether its IR holds each marker]} for fused-MoE's kernels with
+    weights of Triton type `w_type` and scales of `ws_type`, in a process without the
+    interpreter."""
+    script = (
+        f"W_TYPE, WS_TYPE, INT4, MARKERS = {w_type!r}, {ws_type!r}, {int4!r}, {markers!r}"
+        + _PACKED_MOE
+    )
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, cwd=root, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

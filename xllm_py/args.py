@@ -436,8 +436,11 @@ class EngineArgs:
             SchedulerConfig,
         )
 
+        model = ModelConfig.from_pretrained(self.model or bundled_model())
+        # graph mode where it pays and was not asked for: only for models it can run
+        graph = self.graph_mode and (self.enable_graph is not None or model.graphable)
         config = EngineConfig(
-            model=ModelConfig.from_pretrained(self.model or bundled_model()),
+            model=model,
             cache=CacheConfig(
                 block_size=self.block_size,
                 max_memory_utilization=self.max_memory_utilization,
@@ -454,7 +457,7 @@ class EngineArgs:
                 device=self.devices,
                 dtype=self.dtype,
                 seed=self.seed,
-                enable_graph=self.graph_mode,
+                enable_graph=graph,
                 graph_warm_up=self.graph_warm_up,
                 graph_batch_sizes=tuple(self.graph_batch_sizes),
                 weight_dtype=self.weight_dtype,

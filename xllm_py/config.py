@@ -18,10 +18,26 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+DEEPSEEK_V4 = "DeepseekV4ForCausalLM"
 SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV32ForCausalLM",
+    DEEPSEEK_V4,
+)
+# What DeepSeek-V4's config.json must give for the fields the engine reads (the rest of its
+# architecture is read by models/deepseek_v4_config.py when the worker builds the model).
+_V4_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "q_lora_rank",
+    "head_dim",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "max_position_embeddings",
 )
 # DeepSeek-V3.2's sparse attention (DSA): a lightning indexer picks each query's top
 # `index_topk` cached tokens; these config fields describe it (required for V3.2).
@@ -267,7 +283,14 @@ def _mistral_yarn(yarn: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a DeepSeek-V3 checkpoint, from its `config.json`."""
+    """The architecture of a DeepSeek-V3-family checkpoint, from its `config.json`.
+
+    `architecture` names the model class. DeepSeek-V2, V3 and V3.2 are one model whose
+    differences are the fields below; DeepSeek-V4 (`DEEPSEEK_V4`) is its own model, which
+    reads its architecture from `raw` (models/deepseek_v4_config.py). For V4 this class
+    holds what the engine reads (vocabulary, sizes, context, end tokens); V3's MLA, dense
+    MLP and routing fields do not apply to it and are 0 (its layers' cache widths are the
+    model's `cache_dims`, not `kv_cache_dim`)."""
 
     path: str
     vocab_size: int
@@ -308,6 +331,7 @@ class ModelConfig:
     index_topk: int = 0
     index_head_dim: int = 0
     index_n_heads: int = 0
+    architecture: str = "DeepseekV3ForCausalLM"
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -317,13 +341,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], path: str = "") -> ModelConfig:
         archs = cfg.get("architectures") or []
-        if "DeepseekV4ForCausalLM" in archs:
-            raise ValueError(
-                f"config.json architectures={archs!r}: DeepseekV4ForCausalLM is not served yet. "
-                "Its model (xllm_py/models/deepseek_v4.py) matches HF transformers one request "
-                "at a time; the block-paged V4 caches, batching and MTP drafts it needs to run "
-                "in the engine are not built"
-            )
+        if DEEPSEEK_V4 in archs:
+            return cls._from_v4(cfg, path)
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise ValueError(
                 f"config.json architectures={archs!r} is not supported; "
@@ -376,10 +395,65 @@ class ModelConfig:
             quantization_config=cfg.get("quantization_config"),
             llama_4_scaling=_llama_4_scaling(cfg),
             **{name: int(cfg[name]) for name in DSA_FIELDS if dsa},
+            architecture=next(a for a in archs if a in SUPPORTED_ARCHITECTURES),
             raw=cfg,
         )
 
+    @classmethod
+    def _from_v4(cls, cfg: dict[str, Any], path: str) -> ModelConfig:
+        """DeepSeek-V4: the fields the engine reads; V3's MLA, MLP and routing ones are 0.
+        Quantised checkpoints (the release's FP8 attention and FP4 experts) are refused."""
+        for name in _V4_REQUIRED:
+            if cfg.get(name) is None:
+                raise ValueError(f"config.json is missing the field {name!r} ({DEEPSEEK_V4})")
+        quant = cfg.get("quantization_config") or cfg.get("expert_dtype")
+        if quant:
+            raise ValueError(
+                f"config.json quantization_config / expert_dtype ({quant!r}): {DEEPSEEK_V4} "
+                "is served from unquantised (bf16 / float32) checkpoints only; quantised "
+                "(FP8 / FP4) V4 weights are not loaded yet"
+            )
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        zero = dict.fromkeys(
+            ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+             "intermediate_size", "n_shared_experts", "first_k_dense_replace"), 0
+        )  # fmt: skip
+        return cls(
+            path=path,
+            architecture=DEEPSEEK_V4,
+            **{name: int(cfg[name]) for name in _V4_REQUIRED if name != "head_dim"},
+            **zero,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=True,
+            scoring_func=str(cfg.get("scoring_func", "sqrtsoftplus")),
+            topk_method="noaux_tc",
+            moe_layer_freq=1,
+            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig(),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            raw=cfg,
+        )
+
+    @property
+    def is_v4(self) -> bool:
+        return self.architecture == DEEPSEEK_V4
+
+    @property
+    def graphable(self) -> bool:
+        """Whether graph mode can run this model: not V3.2's sparse attention (DSA) nor
+        DeepSeek-V4 (both eager only)."""
+        return not self.index_topk and not self.is_v4
+
     def __post_init__(self) -> None:
+        if self.is_v4:  # its own checks: models/deepseek_v4_config.py
+            return
         if self.index_topk:
             self._check_dsa()
         if self.llama_4_scaling is not None and self.llama_4_scaling[1] <= 0:
@@ -711,10 +785,26 @@ class EngineConfig:
                 f"{self.model.index_topk}) is not implemented: its top-k attention runs eager "
                 "(--enable_graph=false)"
             )
+        if self.model.is_v4:
+            self._check_v4()
         if self.cache.num_lookahead_tokens != k:  # k draft slots reserved ahead of each request
             object.__setattr__(self, "cache", replace(self.cache, num_lookahead_tokens=k))
         if self.scheduler.max_model_len > self.model.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={self.scheduler.max_model_len} exceeds the model's "
                 f"max_position_embeddings={self.model.max_position_embeddings}"
+            )
+
+    def _check_v4(self) -> None:
+        """What DeepSeek-V4 does not run with yet, refused by the flag's name."""
+        k = self.spec.num_speculative_tokens
+        if k:
+            raise ValueError(
+                f"num_speculative_tokens={k} with {DEEPSEEK_V4}: MTP drafts for V4 are not "
+                "implemented (use num_speculative_tokens=0)"
+            )
+        if self.device.enable_graph:
+            raise ValueError(
+                f"enable_graph=True with {DEEPSEEK_V4}: V4's attention runs eager only "
+                "(--enable_graph=false)"
             )

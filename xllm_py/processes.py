@@ -106,6 +106,11 @@ def cluster_options(a: EngineArgs, config: EngineConfig) -> ClusterOptions | Non
     model must split over the layout (ValueError naming the numbers)."""
     if a.nnodes == 1:
         return None
+    if config.model.is_v4:
+        raise ValueError(
+            f"--nnodes={a.nnodes}: {config.model.path} is DeepSeek-V4, which runs on one node "
+            "only (its tensor, expert and data parallelism are not implemented)"
+        )
     from xllm_py.cluster.layout import options_from_args
 
     options = options_from_args(a, read_secrets=True)

@@ -109,6 +109,11 @@ class DeepseekV3ForCausalLM(nn.Module):
     def num_cache_layers(self) -> int:
         return self.config.num_hidden_layers
 
+    @property
+    def cache_dims(self) -> list[int]:
+        """Numbers per token of each layer's cache row: the latent (and V3.2's indexer key)."""
+        return [self.config.kv_cache_dim] * self.num_cache_layers
+
     def process_weights_after_loading(self) -> None:
         process_tree(self)
 

@@ -8,8 +8,9 @@ Contract (that of models/layers/moe.py's `grouped_experts`):
     ids      [T, top_k] int    GLOBAL expert ids; this rank owns first_expert ..
                                first_expert + E_local - 1, the others contribute 0
     w13      [E_local, 2*I, hidden]  gate rows, then up rows: a tensor in x.dtype, an
-                               Fp8Weight (block-scaled e4m3; weights/fp8.py) or an
-                               Int4Weight (packed INT4, group scales; weights/int4.py)
+                               Fp8Weight (block-scaled e4m3; weights/fp8.py), an
+                               Int4Weight (packed INT4, group scales; weights/int4.py) or
+                               an Fp4Weight (packed e2m1, ue8m0 scales; weights/fp4.py)
     w2       [E_local, hidden, I]    the same form as w13
     -> out   [T, hidden] in x.dtype:
              out[t] = sum_j weights[t, j] * w2[e] @ (silu(gate_e x_t) * up_e x_t),
@@ -55,6 +56,16 @@ value; under the interpreter (fp32 dots) it keeps them exact, as the reference d
 (weights dequantised to fp32, fp32 products). Nothing needs K tiles to line up with
 groups; 4 bits a weight are all that is read.
 
+FP4 (w13, w2 Fp4Weight, DeepSeek-V4's routed experts): as INT4, activations stay in the
+run dtype and each weight tile is loaded packed, here int8 bytes [BLOCK_N, BLOCK_K / 2]
+(column 2j in the low nibble of byte j), unpacked to e2m1 codes, decoded by building each
+value's float32 bits, and multiplied by its row's ue8m0 scale of the 32-column block
+(exponent bytes: 2 ** (byte - 127), also built as bits): exact in fp32 (`_fp4_tile`),
+then cast to the dot's dtype, so on a GPU in bf16 each weight is `Fp4Weight.dequant(bf16)`'s
+value. The kernels tell FP4 from a run-dtype weight by the weight pointer's element type
+(int8: no float weight is stored so), as HF transformers' dispatcher does, so the
+kernels' signatures are those of the other forms.
+
 Under Triton's interpreter (CPU tests) bf16 tiles are multiplied in fp32 and bf16 results
 written as fp32, then rounded by torch: its bf16 dot and fp32 -> bf16 cast are wrong
 (fp8_gemm.py says how); the kernel source is the one a GPU runs.
@@ -80,6 +91,8 @@ from xllm_py.ops.fp8_gemm import (
     store_dtype,
 )
 from xllm_py.ops.launch import check_launch
+from xllm_py.weights import fp4
+from xllm_py.weights.fp4 import Fp4Weight
 from xllm_py.weights.fp8 import Fp8Weight
 from xllm_py.weights.int4 import Int4Weight
 
@@ -89,7 +102,7 @@ try:
 except ImportError:  # the torch reference needs no Triton; the launcher says so
     triton = None
 
-Weight = torch.Tensor | Fp8Weight | Int4Weight
+Weight = torch.Tensor | Fp8Weight | Int4Weight | Fp4Weight
 
 
 # ---- sorting and padding (device ops only) -----------------------------------------------------
@@ -177,11 +190,11 @@ def fused_moe_reference(
 
 def _ref_linear(a: torch.Tensor, w: Weight) -> torch.Tensor:
     """a @ w^T in fp32; for FP8, `a` quantised per token group first, as the kernels do;
-    for INT4, the weight dequantised (exactly: q * scale)."""
+    for INT4 and FP4, the weight dequantised (exactly: q * scale)."""
     if isinstance(w, Fp8Weight):
         aq, scale = per_token_group_quant(a, w.block[1])
         return dequant_groups(aq, scale, w.block[1]) @ w.dequant(torch.float32).T
-    if isinstance(w, Int4Weight):
+    if isinstance(w, (Int4Weight, Fp4Weight)):
         return a.float() @ w.dequant(torch.float32).T
     return a.float() @ w.float().T
 
@@ -226,6 +239,54 @@ if triton is not None:
         return q * s.to(tl.float32)
 
     @triton.jit
+    def _e2m1(code):
+        """e2m1 codes (int32 in [0, 15]: sign, 2 exponent bits, 1 mantissa bit) -> their
+        values, fp32, by building the bits: 0 and 0.5 below exponent 1, else
+        2 ** (exponent - 1) * (1 + mantissa / 2); the sign kept (code 8 is -0.0)."""
+        exp = (code >> 1) & 3
+        man = code & 1
+        bits = tl.where(exp == 0, man * 0x3F000000, ((exp + 126) << 23) | (man << 22))
+        value = bits.to(tl.float32, bitcast=True)
+        return tl.where(code >= 8, -value, value)
+
+    @triton.jit
+    def _fp4_tile(
+        w_ptr,  # one expert's bytes [N, K / 2] int8
+        s_ptr,  # its ue8m0 exponent bytes [N, K / GROUP] uint8 (GROUP = 32)
+        rn,  # [BLOCK_N] weight rows
+        n_ok,
+        k0,
+        K,
+        stride_wn,
+        stride_wk,
+        stride_sn,
+        stride_sg,
+        GROUP: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Rows rn, columns k0 .. k0 + BLOCK_K of a packed FP4 matrix, dequantised: fp32
+        [BLOCK_N, BLOCK_K], 0 past K. k0 is a multiple of BLOCK_K, itself even."""
+        rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # the tile's bytes
+        b = tl.load(
+            w_ptr + rn[:, None] * stride_wn + rb[None, :] * stride_wk,
+            mask=n_ok[:, None] & (rb < K // 2)[None, :],
+            other=0,
+        ).to(tl.int32)  # (sign-extended: the & 0xF below drops it)
+        shifts = tl.arange(0, 2) * 4  # column 2j: bits 0..3 of byte j; 2j + 1: bits 4..7
+        codes = (b[:, :, None] >> shifts[None, None, :]) & 0xF
+        q = _e2m1(tl.reshape(codes, (BLOCK_N, BLOCK_K)))
+        k = k0 + tl.arange(0, BLOCK_K)
+        e = tl.load(
+            s_ptr + rn[:, None] * stride_sn + (k // GROUP)[None, :] * stride_sg,
+            mask=n_ok[:, None] & (k < K)[None, :],
+            other=127,
+        ).to(tl.int32)
+        # 2 ** (e - 127): the exponent field e, or for e = 0 the subnormal 2 ** -127
+        s = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
+        return q * s
+
+    @triton.jit
     def _weight_tile(
         w_e,  # one expert's weight: [N, K] as stored, or INT4 words [N, ceil(K / 8)]
         ws_e,  # its scales (INT4: [N, ceil(K / GROUP)]; read only for INT4)
@@ -243,10 +304,14 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
     ):
         """Rows rn, columns k0 .. k0 + BLOCK_K of one expert's weight, 0 outside it: as
-        stored (run dtype or e4m3), or for INT4 unpacked and scaled (fp32)."""
+        stored (run dtype or e4m3), or for INT4 and FP4 (int8 bytes) unpacked and scaled
+        (fp32)."""
         if INT4:
             w = _int4_tile(w_e, ws_e, rn, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
                            stride_sg, GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
+        elif w_e.dtype.element_ty == tl.int8:  # FP4
+            w = _fp4_tile(w_e, ws_e, rn, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
+                          stride_sg, GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
         else:
             k = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(
@@ -260,8 +325,8 @@ if triton is not None:
     def _gate_up_kernel(
         x_ptr,  # [T, K] run dtype, or float8 e4m3 (FP8)
         xs_ptr,  # [T, ceil(K / GROUP_K)] float32 (FP8 only)
-        w_ptr,  # [E, 2 * I, K]; INT4: int32 words [E, 2 * I, ceil(K / 8)]
-        ws_ptr,  # [E, R, C] float32 (FP8); INT4: [E, 2 * I, ceil(K / GROUP_K)]
+        w_ptr,  # [E, 2 * I, K]; INT4: int32 words [E, 2 * I, ceil(K / 8)]; FP4: int8 [.., K / 2]
+        ws_ptr,  # [E, R, C] float32 (FP8); INT4 / FP4: [E, 2 * I, ceil(K / GROUP_K)]
         rows_ptr,  # [2 * I] int32: scale row of each weight row (FP8 only)
         act_ptr,  # [A, I] run dtype
         sorted_ptr,  # [P] int32
@@ -341,8 +406,8 @@ if triton is not None:
     def _down_kernel(
         act_ptr,  # [A, K] run dtype, or float8 e4m3 (FP8); K = I
         as_ptr,  # [A, ceil(K / GROUP_K)] float32 (FP8 only)
-        w_ptr,  # [E, N, K]; N = hidden; INT4: int32 words [E, N, ceil(K / 8)]
-        ws_ptr,  # [E, R, C] float32 (FP8); INT4: [E, N, ceil(K / GROUP_K)]
+        w_ptr,  # [E, N, K]; N = hidden; INT4: int32 words [E, N, ceil(K / 8)]; FP4: int8
+        ws_ptr,  # [E, R, C] float32 (FP8); INT4 / FP4: [E, N, ceil(K / GROUP_K)]
         rows_ptr,  # [N] int32 (FP8 only)
         topw_ptr,  # [A] routing weights
         out_ptr,  # [A, N] run dtype
@@ -481,16 +546,16 @@ def _operands(a: torch.Tensor, w: Weight) -> tuple:
     no_rows = a.new_empty(1, dtype=torch.int32)
     if isinstance(w, Int4Weight):  # a scale per weight row: no row map
         return a, none, w.packed, w.scale, no_rows, w.group_size
+    if isinstance(w, Fp4Weight):  # the same; the ue8m0 scales as their exponent bytes
+        return a, none, w.packed, w.scale.view(torch.uint8), no_rows, fp4.BLOCK
     return a, none, w, a.new_empty(1, 1, 1), no_rows, 128
 
 
 def _check_shapes(x, weights, ids, w13: Weight, w2: Weight) -> str | None:
-    """The experts' form: "fp8", "int4" or None (run dtype); ValueError on a contract
-    violation."""
-    kinds = [
-        "fp8" if isinstance(w, Fp8Weight) else "int4" if isinstance(w, Int4Weight) else None
-        for w in (w13, w2)
-    ]
+    """The experts' form: "fp8", "int4", "fp4" or None (run dtype); ValueError on a
+    contract violation."""
+    forms = {Fp8Weight: "fp8", Int4Weight: "int4", Fp4Weight: "fp4"}
+    kinds = [forms.get(type(w)) for w in (w13, w2)]
     if kinds[0] != kinds[1]:
         raise ValueError(
             f"fused_moe_triton: w13 is {kinds[0] or 'a tensor'} but w2 is "

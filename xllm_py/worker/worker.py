@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from xllm_py.config import EngineConfig
+from xllm_py.config import EngineConfig, ModelConfig
 from xllm_py.executor.messages import ModelRunnerOutput, SchedulerOutput
 from xllm_py.models.attention_layout import RequestLayout, build_context
 from xllm_py.models.context import forward_context
@@ -27,6 +27,7 @@ from xllm_py.models.deepseek_mtp import (
     read_draft_config,
 )
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
+from xllm_py.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config
 from xllm_py.ops.backends import install as install_kernels
 from xllm_py.ops.backends import select_kernels
 from xllm_py.ops.fp8_gemm import fp8_gemm_available
@@ -116,7 +117,7 @@ def load_target_model(
     ckpt = Checkpoint(mcfg.path, Fp8Config.from_quantization_config(mcfg.quantization_config))
     block, group = resident_fp8_block(config, device), resident_int4_group(config, device, ckpt)
     with default_dtype(dtype), torch.device(device), fp8_resident(block), int4_resident(group):
-        model = DeepseekV3ForCausalLM(mcfg, parallel)
+        model = build_target(mcfg, parallel)
     n = mcfg.num_hidden_layers
 
     def target_only(name: str) -> str | None:  # layers >= num_hidden_layers are the MTP draft's
@@ -127,6 +128,14 @@ def load_target_model(
     logger.info("target weights: %s", stats)
     model.process_weights_after_loading()
     return model.eval()
+
+
+def build_target(mcfg: ModelConfig, parallel: ParallelContext = SINGLE):
+    """The target model of the config's architecture: DeepSeek-V4 is its own model (its
+    architecture read from config.json), V2 / V3 / V3.2 one model configured by `mcfg`."""
+    if mcfg.is_v4:
+        return DeepseekV4ForCausalLM(V4Config.from_dict(mcfg.raw), parallel)
+    return DeepseekV3ForCausalLM(mcfg, parallel)
 
 
 def load_draft_model(
@@ -276,15 +285,16 @@ class Worker:
         self._compiler: threading.Thread | None = None  # graph mode's background compile
 
     @property
-    def num_cache_layers(self) -> int:
-        """The target's layers, then the draft's MTP layers (each with its own latent cache)."""
-        return self.model.num_cache_layers + (len(self.draft.layers) if self.draft else 0)
+    def cache_dims(self) -> list[int]:
+        """Numbers cached per token in each cache layer: the target's layers (its
+        `cache_dims`), then the draft's MTP layers (a latent cache each)."""
+        draft = len(self.draft.layers) if self.draft else 0
+        return list(self.model.cache_dims) + [self.config.model.kv_cache_dim] * draft
 
     @property
     def bytes_per_block(self) -> int:
-        mcfg, bs = self.config.model, self.config.cache.block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_cache_layers * bs * mcfg.kv_cache_dim * elem
+        return self.config.cache.block_size * sum(self.cache_dims) * elem
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit in --max_cache_size bytes, or in what --max_memory_utilization
@@ -331,11 +341,11 @@ class Worker:
         return peak
 
     def _scratch_caches(self, tokens: int) -> list[torch.Tensor]:
-        blocks = -(-tokens // self.config.cache.block_size)
-        shape = (blocks, self.config.cache.block_size, self.config.model.kv_cache_dim)
+        bs = self.config.cache.block_size
+        blocks = -(-tokens // bs)
         return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.num_cache_layers)
+            torch.zeros((blocks, bs, dim), dtype=self.dtype, device=self.device)
+            for dim in self.cache_dims
         ]
 
     @torch.inference_mode()
@@ -363,14 +373,11 @@ class Worker:
     def init_cache(self, num_blocks: int, seed: int = 0) -> None:
         # Graph mode writes its padding rows into one scratch block past the managed ones.
         scratch = 1 if self.graph_mode else 0
-        shape = (
-            num_blocks + scratch,
-            self.config.cache.block_size,
-            self.config.model.kv_cache_dim,
-        )
+        bs = self.config.cache.block_size
         # Zeroed: padded context positions are masked, but 0 * NaN would still poison the output.
         caches = [
-            zeroed_cache(shape, self.dtype, self.device) for _ in range(self.num_cache_layers)
+            zeroed_cache((num_blocks + scratch, bs, dim), self.dtype, self.device)
+            for dim in self.cache_dims
         ]
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB)",
