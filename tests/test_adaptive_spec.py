@@ -8,6 +8,9 @@ test_spec_sharegpt.py."""
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 import torch
 
@@ -274,7 +277,7 @@ def test_auto_measures_plain_steps_and_turns_drafting_off_where_it_does_not_pay(
     assert policy.gate.steps[False] > 0 and policy.gate.steps[True] > 0
     # the batch-1 decision holds after the batch-16 steps: buckets are measured apart
     again, _ = gated(policy, lambda s: 1, cost, 1.6, 320)
-    assert sum(again) > 0.9 * 320
+    assert sum(again) >= 320 - 2 * PERIOD  # plain decoding in trials only
 
 
 def test_auto_turns_drafting_back_on_when_it_starts_to_pay():
@@ -324,6 +327,45 @@ def test_auto_compares_the_kinds_under_the_same_load_while_the_machine_speed_dri
     assert sum(chosen[-2000:]) < 0.2 * 2000
     plain = 2 / (0.010 + 0.015)  # a token a step, half the steps at each load
     assert rate > 0.95 * plain
+
+
+def test_auto_compares_drafting_with_plain_decoding_at_the_same_batch_size():
+    """A batch that holds 3 requests for 40 steps, then 4 for 40 (requests finishing and
+    being admitted in waves), where a step's cost grows with its requests as it does on 2
+    CPU cores (the bundled small model: about 13, 22, 31 and 40 ms at 1-4 requests), so
+    per request a step of 3 is 29% faster than one of 4. Drafting is 8% slower at both. A
+    drafting period at 3 set against a plain one at 4, per request, would measure it 19%
+    faster; compared at the same batch size, "auto" keeps drafting off."""
+    policy = ConfidencePolicy(1, threshold="auto")
+    cost = lambda b, drafting: (0.004 + 0.009 * b) * (1.6 / 0.92 if drafting else 1.0)  # noqa: E731
+    batches = lambda s: 3 if (s // 40) % 2 else 4  # noqa: E731
+    chosen, rate = gated(policy, batches, cost, 1.6, 4000)
+    assert sum(chosen[-3000:]) < 0.2 * 3000
+    assert rate > 0.97 * fixed_rate(batches, cost, 1.6, False, 4000)
+
+
+def test_one_lucky_trial_does_not_turn_drafting_on():
+    """On a shared machine a period's speed moves by itself: here every 16 steps cost a
+    random factor (sd 12%) times their own cost. Drafting is 8% slower; a trial period that
+    happens to run fast measures it faster than plain decoding now and then, but a trial
+    makes only two ratios of the five a bucket keeps, and a second trial must agree with
+    it to change the decision. Over five such machines "auto" drafts little and never
+    loses more than 3%. (With one trial enough to decide, it drafted 24% of the steps.)"""
+    shares, rates = [], []
+    for seed in range(5):
+        policy = ConfidencePolicy(1, threshold="auto")
+        rng = random.Random(seed)
+        load = [math.exp(rng.gauss(0.0, 0.12)) for _ in range(8000 // 16)]
+        step = iter(range(10**6))
+
+        def cost(b, drafting, load=load, step=step):
+            return load[next(step) // 16] * 0.010 * (1.6 / 0.92 if drafting else 1.0)
+
+        chosen, rate = gated(policy, lambda s: 4, cost, 1.6, 8000)
+        shares.append(sum(chosen[-6000:]) / 6000)
+        rates.append(rate / (4 / (0.010 * sum(load) / len(load))))  # over always plain
+    assert sum(shares) / len(shares) < 0.2
+    assert min(rates) > 0.97
 
 
 def test_auto_charges_drafting_for_its_mtp_passes_over_prompts():

@@ -10,17 +10,19 @@ gate measures both, as a user would: tokens emitted per second.
 
 The gate decides for a PERIOD of steps at a time, not step by step: a decision per step
 follows the batch size from one step to the next (a request finishing, the next one
-admitted) and pays a switch each time, which no step measures. A period's sample is
+admitted) and pays a switch each time, which no step measures. (A period ends early only
+when, a quarter of it gone, the batch has moved to a bucket that has decided on the other
+kind: the ramp at the end of a wave of requests must not run the rest of a period chosen
+for the batch size before it.) A period's sample, per batch size it ran at, is
 
-    rate     tokens the period's steady decode steps emitted (accepted drafts plus one
-             per request) / their seconds (start to next start: the passes and the
-             engine's own work around them, as speculative/adaptive.py times steps),
-             divided by their mean batch size: tokens per second per request
+    rate     tokens its steady decode steps of that size emitted (accepted drafts plus
+             one per request) / their seconds (start to next start: the passes and the
+             engine's own work around them, as speculative/adaptive.py times steps)
 
 Steady decode steps: no prompt chunk in the step (its cost is the prompt's), and the step
 before drafted or not as this one does (the step that turns drafting on pays for passes
 whose drafts the next step verifies; the one that turns it off verifies drafts it did not
-pay for). A period with fewer than PERIOD / 2 of them (prompts arriving) is not counted.
+pay for).
 
 Drafting also costs outside those steps: a step that drafts runs the MTP layer over the
 prompt chunks it carries (so that their requests' drafts attend over the prompt), and one
@@ -31,25 +33,36 @@ end. So the gate keeps the seconds those passes took per token emitted, over the
 that drafted (decayed by PROMPT_DECAY a step), and a drafting period's rate is charged
 that much per token it emitted:
 
-    drafting rate   tokens / (seconds + tokens x prompt pass seconds per token) / batch
+    drafting rate   tokens / (seconds + tokens x prompt pass seconds per token)
 
-The two kinds are compared in PAIRS of adjacent periods, not as two averages: the machine
-a daemon shares (other processes, the clock, the host's other tenants) moves a period's
-rate by 10-30% over minutes, several times the gap being measured, so a drafting period
-is only compared with the plain period just before or just after it in the same batch
-bucket (speculative/adaptive.py's buckets: 1, 2, 3-4, 5-8, ...), whatever the load was
-then. Each pair gives a ratio, drafting rate / plain rate; a bucket keeps its last KEEP
-ratios, and their median decides. A bucket first alternates the kinds, drafting first,
-until it has MEASURE ratios, then runs the kind the median favours: drafting must measure
-MARGIN faster than plain decoding to take over, and keeps the bucket while it is not
-slower, so MTP is never chosen on a measurement that cannot tell it from plain. Every
-EXPLORE_EVERY periods of a bucket (up to 8 times that, the further the median ratio is
-from 1) the other kind runs one period as a trial; with the incumbent periods on either
-side of it, a trial gives two ratios, a majority of KEEP, so one trial that agrees with
-both of its neighbours changes the decision: a workload that starts to accept drafts (or
-stops) is noticed within some hundreds of steps. What exploring costs when drafting does
-not pay: one period in EXPLORE_EVERY x (1 + gap in tenths), at a rate lower by that gap
-(at a gap of 20%: one period in 24, about 0.8% of the tokens).
+The two kinds are compared in PAIRS of adjacent periods at the SAME BATCH SIZE, not as
+two averages. The machine a daemon shares (other processes, the clock, the host's other
+tenants) moves a period's rate by 10-30% over minutes, several times the gap being
+measured; and within one bucket (speculative/adaptive.py's: 1, 2, 3-4, 5-8, ...) the
+batch size itself moves the rate (on a small model on CPU a step of 3 requests costs
+about what a step of 4 does, so per request it is a third faster). So a period keeps
+its steps' tokens and seconds per batch size, and each batch size it ran for at least
+PERIOD / 2 steps is compared with the last period of the other kind that did too, if
+that one is at most ADJACENT periods back and no period of its own kind came between
+(so a period makes at most two pairs, with its neighbours of the other kind):
+
+    ratio   drafting's tokens per second / plain decoding's, at that batch size
+
+A ratio belongs to that batch size's bucket, whichever bucket opened the period; a
+bucket keeps its last KEEP ratios and their median decides. A bucket first alternates
+the kinds, drafting first, until it has MEASURE ratios, then runs the kind the median
+favours: drafting must measure MARGIN faster than plain decoding to take over, and keeps
+the bucket while it is not slower, so MTP is never chosen on a measurement that cannot
+tell it from plain. Every EXPLORE_EVERY periods of a bucket (up to 8 times that, the
+further the median is from 1) the other kind runs one period as a trial, which gives two
+ratios (with the incumbent periods before and after it). One trial cannot change the
+decision, since a lucky period is common on a shared machine: when both its ratios
+disagree with the decision, a second trial runs at once, and if it agrees the two
+together (a majority of the KEEP ratios) change it. So a workload that starts to accept
+drafts (or stops) is noticed within some hundreds of steps, and noise must fool two
+trials in a row. What exploring costs when drafting does not pay: one period in
+EXPLORE_EVERY x (1 + gap in tenths), at a rate lower by that gap (at a gap of 20%: one
+period in 24, about 0.8% of the tokens).
 
 Whether a step drafts depends on batch sizes, timings and the tokens earlier steps
 emitted, never on a draft the step verifies, so the gate cannot bias the output
@@ -73,7 +86,7 @@ logger = logging.getLogger(__name__)
 
 PERIOD = 16  # steps one decision holds
 MEASURE = 3  # ratios a bucket measures (alternating the kinds) before it decides
-KEEP = 3  # ratios kept per bucket
+KEEP = 5  # ratios kept per bucket
 ADJACENT = 2  # a pair's periods are at most this many periods apart (of any bucket)
 EXPLORE_EVERY = 8  # bucket periods between trials of the kind not running
 MARGIN = 0.03  # drafting must measure this much faster than plain decoding to take over
@@ -83,21 +96,19 @@ PROMPT_DECAY = 0.999  # per drafting step, of the prompt passes' seconds and tok
 @dataclass
 class _Period:
     drafting: bool
-    bucket: int
+    bucket: int  # the batch bucket that chose its kind
     left: int = PERIOD
-    steps: int = 0  # steady decode steps measured
-    requests: int = 0  # their batch sizes, summed
-    tokens: float = 0.0
-    seconds: float = 0.0
     index: int = 0  # the gate's period count when this one opened
+    # batch size: [steady decode steps, tokens they emitted, their seconds]
+    sizes: dict[int, list[float]] = field(default_factory=dict)
 
 
 @dataclass
 class _Bucket:
-    last: dict[bool, tuple[int, float]] = field(default_factory=dict)  # kind: (period, rate)
     ratios: list[float] = field(default_factory=list)  # drafting / plain, adjacent pairs
-    periods: int = 0  # periods started in this bucket
     incumbent: bool | None = None  # the kind this bucket runs between trials
+    opened: bool | None = None  # the kind of the last period it opened (while measuring)
+    until_trial: int = 0  # periods of this bucket to its next trial
 
 
 class DraftGate:
@@ -106,6 +117,8 @@ class DraftGate:
         self.period: _Period | None = None
         self.opened = 0  # periods opened so far, of every bucket
         self.steps = {True: 0, False: 0}  # steps chosen with drafting on and off
+        # (batch size, kind): (the period, its rate) of the last period measured at that size
+        self.last: dict[tuple[int, bool], tuple[int, float]] = {}
         # decayed sums over the steps that drafted: MTP prompt-pass seconds, tokens emitted
         self.prompt_seconds = 0.0
         self.prompt_tokens = 0.0
@@ -114,7 +127,7 @@ class DraftGate:
         """Whether the next step, with `requests` requests running, drafts."""
         if requests == 0:
             return True
-        if self.period is None or self.period.left == 0:
+        if self.period is None or self.period.left == 0 or self._moved(requests):
             self._close()
             self.period = self._open(requests)
         self.period.left -= 1
@@ -126,10 +139,10 @@ class DraftGate:
         p = self.period
         if p is None or drafting != p.drafting:
             return
-        p.steps += 1
-        p.requests += requests
-        p.tokens += tokens
-        p.seconds += seconds
+        size = p.sizes.setdefault(requests, [0, 0.0, 0.0])
+        size[0] += 1
+        size[1] += tokens
+        size[2] += seconds
 
     def charge(self, tokens: float, seconds: float) -> None:
         """A step that drafted: the tokens it emitted and its MTP prompt passes' seconds."""
@@ -153,28 +166,55 @@ class DraftGate:
         self.opened += 1
         key = batch_bucket(requests)
         bucket = self.buckets.setdefault(key, _Bucket())
-        bucket.periods += 1
         ratio = self.ratio(bucket)
         if ratio is None:  # alternate the kinds, drafting first
-            measured = max(bucket.last, key=lambda kind: bucket.last[kind][0], default=False)
-            return _Period(not measured, key, index=self.opened)
+            bucket.opened = not bucket.opened if bucket.opened is not None else True
+            return _Period(bucket.opened, key, index=self.opened)
         best = self._best(bucket, ratio, requests)
-        explore = bucket.periods % self._explore_every(ratio) == 0
-        return _Period(best != explore, key, index=self.opened)
+        bucket.until_trial -= 1
+        trial = bucket.until_trial <= 0
+        if trial:
+            bucket.until_trial = self._explore_every(ratio)
+        return _Period(best != trial, key, index=self.opened)
+
+    def _moved(self, requests: int) -> bool:
+        """Whether the batch has moved, after at least a quarter of the period, to a bucket
+        that has decided on the other kind (requests finishing at the end of a wave, new
+        ones admitted): that bucket's decision takes over at once, rather than the rest
+        of a period chosen for another batch size."""
+        p = self.period
+        key = batch_bucket(requests)
+        if p.bucket == key or PERIOD - p.left < PERIOD // 4:
+            return False
+        bucket = self.buckets.get(key)
+        decided = bucket.incumbent if bucket is not None else None
+        return decided is not None and decided != p.drafting
 
     def _close(self) -> None:
         p = self.period
-        if p is None or p.steps < PERIOD // 2 or p.seconds <= 0.0:
+        if p is None:
             return
-        bucket = self.buckets[p.bucket]
-        seconds = p.seconds + (p.tokens * self.prompt_cost() if p.drafting else 0.0)
-        rate = p.tokens / seconds / (p.requests / p.steps)
-        other = bucket.last.get(not p.drafting)
-        if other is not None and p.index - other[0] <= ADJACENT:
-            on, off = (rate, other[1]) if p.drafting else (other[1], rate)
-            bucket.ratios.append(on / max(off, 1e-12))
-            del bucket.ratios[:-KEEP]
-        bucket.last[p.drafting] = (p.index, rate)
+        cost = self.prompt_cost() if p.drafting else 0.0
+        for size, (steps, tokens, seconds) in p.sizes.items():
+            if steps < PERIOD // 2 or seconds <= 0.0:
+                continue
+            rate = tokens / (seconds + tokens * cost)
+            other = self.last.get((size, not p.drafting))
+            mine = self.last.get((size, p.drafting), (0, 0.0))
+            if other is not None and mine[0] < other[0] and p.index - other[0] <= ADJACENT:
+                on, off = (rate, other[1]) if p.drafting else (other[1], rate)
+                self._add(self.buckets.setdefault(batch_bucket(size), _Bucket()), on / off)
+            self.last[(size, p.drafting)] = (p.index, rate)
+
+    def _add(self, bucket: _Bucket, ratio: float) -> None:
+        """A pair's ratio. When the last two disagree with the bucket's decision (a trial
+        and both its neighbours), the next period of the bucket is a second trial."""
+        bucket.ratios.append(ratio)
+        del bucket.ratios[:-KEEP]
+        if bucket.incumbent is None or len(bucket.ratios) < 2:
+            return
+        if all(self._favours(bucket, r) != bucket.incumbent for r in bucket.ratios[-2:]):
+            bucket.until_trial = 1
 
     @staticmethod
     def _explore_every(ratio: float) -> int:
@@ -184,9 +224,16 @@ class DraftGate:
         return EXPLORE_EVERY * (1 + min(int(abs(ratio - 1.0) * 10), 7))
 
     @staticmethod
-    def _best(bucket: _Bucket, ratio: float, requests: int) -> bool:
-        """Drafting if it measures MARGIN faster, or is the incumbent and not slower."""
-        drafting = ratio >= (1.0 if bucket.incumbent else 1.0 + MARGIN)
+    def _favours(bucket: _Bucket, ratio: float) -> bool:
+        """Whether `ratio` favours drafting: MARGIN faster, or not slower if it runs now."""
+        return ratio >= (1.0 if bucket.incumbent else 1.0 + MARGIN)
+
+    def _best(self, bucket: _Bucket, ratio: float, requests: int) -> bool:
+        """The kind the median ratio favours; the bucket's trials start counting when it
+        first decides."""
+        drafting = self._favours(bucket, ratio)
+        if bucket.incumbent is None:
+            bucket.until_trial = self._explore_every(ratio)
         if drafting != bucket.incumbent:
             logger.info(
                 "speculative gate, batch %d: drafting %s (%.2fx plain decoding's tokens per "
