@@ -18,13 +18,18 @@ import torch
 import tests.test_spec_sampling_distribution as dist
 from tests.test_bundled_model import held_out_user_turns
 from xllm_py import LLM, SamplingParams
+from xllm_py.models.layers import moe
 
 # Different lengths: the batch shrinks from 3 to 1 as requests finish.
 PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=0) for n in (24, 12, 6)]
-# The one batch size compiled: single-row steps take the MoE's gathered form in the graph
-# (8 expert assignments, models/layers/moe.py), verification steps the grouped one; the
-# sampled test's requests come in waves of this size.
+# The one batch size compiled; the sampled test's requests come in waves of this size.
 BUCKET = 4
+# Single-row steps of the bundled tiny model (top-2 experts) make 8 (token, expert)
+# assignments at BUCKET, verification of k = 2 drafts 24. With graphs gathering the chosen
+# experts' weights up to 16 assignments (models/layers/moe.py; the daemon's limit is
+# higher), the first take the gathered form in the graph and the second the grouped one,
+# so both run here.
+GATHER_LIMIT = 16
 # At most BUCKET requests per step, so on CPU every engine here sizes its KV cache for that
 # many full-length requests, 128 blocks (by default it would zero room for 256).
 OPTIONS = dict(dtype="float32", block_size=16, max_model_len=512, max_seqs_per_batch=BUCKET)
@@ -32,6 +37,13 @@ K = 2  # draft tokens of the MTP engine
 # Continuations of the graph-mode sampling test, against plain's 2,000 (suite time: each
 # wave of 4 is a few steps; the chi-square test takes unequal arms)
 GRAPH_SAMPLES = 1000
+
+
+@pytest.fixture(scope="module", autouse=True)
+def both_moe_forms():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moe, "GRAPH_GATHER_ASSIGNMENTS", GATHER_LIMIT)
+        yield
 
 
 @pytest.fixture(scope="module")

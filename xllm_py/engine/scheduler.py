@@ -167,7 +167,10 @@ class Scheduler:
             return {}
         reqs = [r for r in self.running if r.spec_token_ids]
         counts = self.confidence.plan([r.spec_scores[: len(r.spec_token_ids)] for r in reqs])
-        if not self.confidence.drafting(len(self.running)):
+        # A step with nothing running only prefills what it admits: it takes the decision
+        # for the batch those requests will form (drafting, its MTP pass over their prompts)
+        batch = len(self.running) or min(len(self.waiting), self.config.max_seqs_per_batch)
+        if not self.confidence.drafting(batch):
             out.num_draft_tokens = 0
             self.spec_stats.undrafted_steps += 1
         return {r.req_id: n for r, n in zip(reqs, counts)}
