@@ -17,7 +17,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from xllm_py.args import EngineArgs
 from xllm_py.config import (
@@ -96,14 +96,7 @@ def hf_checkpoint(name: str, path, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(torch.empty(p.shape).uniform_(0.7, 1.3, generator=gen))
-            elif p.dim() == 1 or "position_bias" in pname:  # sinks, hc biases and scales
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif pname.endswith("embed_tokens.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:  # fan-in scaled, so activations stay O(1)
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+            p.copy_(drawn(pname, p.shape, gen))
         for bname, b in model.named_buffers():
             if bname.endswith("tid2eid"):
                 k, experts = cfg.num_experts_per_tok, cfg.n_routed_experts
@@ -114,6 +107,17 @@ def hf_checkpoint(name: str, path, seed: int = 0):
         model.lm_head.weight.mul_(3.0)  # peaky next-token distributions: real greedy margins
     model.save_pretrained(path)
     return model
+
+
+def drawn(name: str, shape, gen: torch.Generator) -> torch.Tensor:
+    """A random value for parameter `name` that matters, with activations staying O(1)."""
+    if name.endswith("norm.weight"):
+        return torch.empty(shape).uniform_(0.7, 1.3, generator=gen)
+    if len(shape) == 1 or "position_bias" in name:  # sinks, hc biases and scales
+        return torch.randn(shape, generator=gen) * 0.5
+    if name.endswith("embed_tokens.weight"):
+        return torch.randn(shape, generator=gen)
+    return torch.randn(shape, generator=gen) / shape[-1] ** 0.5  # fan-in scaled
 
 
 def ours(path) -> DeepseekV4ForCausalLM:
@@ -199,16 +203,27 @@ def test_v4_config_reads_the_release_field_names():
 
 
 def test_what_v4_does_not_serve_yet_is_refused_naming_it(tmp_path):
-    """MTP drafts, graph mode, more than one node and quantised checkpoints are refused for
-    V4 at start-up, each naming the flag or field; without them the config is accepted."""
+    """MTP drafts without an MTP layer (or from a DSpark drafter), graph mode, more than one
+    node and quantised checkpoints are refused for V4 at start-up, each naming the flag,
+    field or tensor; without them the config is accepted."""
     hf_checkpoint("hc2-sliding-csa-hca", tmp_path)
     model = ModelConfig.from_pretrained(tmp_path)
     assert model.architecture == "DeepseekV4ForCausalLM"
     assert (model.vocab_size, model.num_hidden_layers) == (96, 3)
     args = dict(model=model, cache=CacheConfig(), scheduler=SchedulerConfig())
     EngineConfig(device=DeviceConfig(), **args)
-    with pytest.raises(ValueError, match="num_speculative_tokens=1 .*DeepseekV4"):
+    with pytest.raises(ValueError, match="num_speculative_tokens=1 .*DeepseekV4.*no MTP layer"):
         EngineConfig(device=DeviceConfig(), spec=SpecConfig(num_speculative_tokens=1), **args)
+    # with MTP layers (mtp.*) it drafts; the 0731 releases' DSpark drafter under the same
+    # names is told from them by its tensors, and refused
+    mtp = {"mtp.0.e_proj.weight": torch.zeros(4, 4), "mtp.0.enorm.weight": torch.ones(4)}
+    save_file(mtp, tmp_path / "mtp.safetensors")
+    EngineConfig(device=DeviceConfig(), spec=SpecConfig(num_speculative_tokens=1), **args)
+    dspark = mtp | {"mtp.2.markov_head.markov_w1.weight": torch.zeros(4, 4)}
+    save_file(dspark, tmp_path / "mtp.safetensors")
+    with pytest.raises(ValueError, match="a DSpark drafter \\(mtp.2.markov_head.markov_w1"):
+        EngineConfig(device=DeviceConfig(), spec=SpecConfig(num_speculative_tokens=1), **args)
+    EngineConfig(device=DeviceConfig(), **args)  # served without drafts
     with pytest.raises(ValueError, match="enable_graph=True .*DeepseekV4"):
         EngineConfig(device=DeviceConfig(enable_graph=True), **args)
     # the daemon's graph mode where it pays (CPU, float32) stays off for V4 unless asked for

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.test_deepseek_v4 import CONFIGS, hf_checkpoint
 from xllm_py import LLM, SamplingParams
@@ -90,3 +91,16 @@ def test_chunked_prefill_gives_the_cold_tokens(checkpoint, cold):
     _, path, _ = checkpoint
     _, outs = generate(path, BASE + SHARED, enable_chunked_prefill=True, max_tokens_per_batch=7)
     assert tokens(outs) == tokens(cold)
+
+
+def test_the_checkpoints_draft_module_is_left_unloaded(tmp_path):
+    """A V4 release carries its draft module (MTP layers, or the 0731 releases' DSpark
+    drafter) as `mtp.*` tensors beside the target's: served without drafts, the target
+    loads without them and gives the tokens it gives without the file."""
+    name = next(iter(CONFIGS))
+    hf_checkpoint(name, tmp_path)
+    want = tokens(generate(tmp_path, BASE[:2])[1])
+    drafts = {"mtp.0.e_proj.weight": torch.randn(8, 8), "mtp.2.markov_head.markov_w1.weight":
+              torch.randn(8, 8), "mtp.0.ffn.experts.0.w1.weight": torch.randn(8, 8)}  # fmt: skip
+    save_file(drafts, tmp_path / "model-mtp.safetensors")
+    assert tokens(generate(tmp_path, BASE[:2])[1]) == want

@@ -191,6 +191,41 @@ def read_config_dict(path: str | Path) -> dict[str, Any]:
     return raw if f.name == CONFIG_FILE else config_from_mistral_params(raw)
 
 
+# A DeepSeek-V4 checkpoint's draft module: its tensors are `mtp.N.*`. The first releases
+# hold MTP layers there; the 0731 releases a DSpark drafter under the same names (block
+# drafts from the target's hidden states at chosen layers, through a low-rank Markov head,
+# with a confidence head), told apart by tensors only DSpark has.
+V4_DRAFT_PREFIX = "mtp."
+V4_DSPARK_PARTS = ("markov_head", "confidence_head", "main_proj", "main_norm")
+
+
+def checkpoint_tensor_names(path: str | Path) -> list[str]:
+    """Every tensor name of a checkpoint directory, from its safetensors index or else the
+    files' headers (nothing else is read); none where `path` is not a directory."""
+    if not path or not Path(path).is_dir():
+        return []
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    names: list[str] = []
+    for f in sorted(path.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        names += [n for n in header if n != "__metadata__"]
+    return names
+
+
+def v4_draft_module(names: list[str]) -> tuple[str, str] | None:
+    """What a V4 checkpoint's `mtp.*` tensors are, with a tensor that shows it: ("DSpark",
+    name) or ("MTP", name); None when it has none."""
+    drafts = [n for n in names if n.startswith(V4_DRAFT_PREFIX)]
+    for name in drafts:
+        if name.split(".")[2:3] and name.split(".")[2] in V4_DSPARK_PARTS:
+            return "DSpark", name
+    return ("MTP", drafts[0]) if drafts else None
+
+
 # params.json field -> config.json field, and the same for its "moe" section
 _MISTRAL_FIELDS = {
     "dim": "hidden_size", "n_layers": "num_hidden_layers", "hidden_dim": "intermediate_size",
@@ -798,10 +833,31 @@ class EngineConfig:
     def _check_v4(self) -> None:
         """What DeepSeek-V4 does not run with yet, refused by the flag's name."""
         k = self.spec.num_speculative_tokens
-        if k:
+        found = v4_draft_module(checkpoint_tensor_names(self.model.path)) if k else None
+        if found is not None and found[0] == "DSpark":
             raise ValueError(
-                f"num_speculative_tokens={k} with {DEEPSEEK_V4}: MTP drafts for V4 are not "
-                "implemented (use num_speculative_tokens=0)"
+                f"num_speculative_tokens={k} with {DEEPSEEK_V4}: this checkpoint's mtp.* module "
+                f"is a DSpark drafter ({found[1]}), not MTP layers. DSpark drafts a block of "
+                "tokens from the target's hidden states with Markov and confidence heads; it "
+                "is not implemented, and read as MTP layers it would draft wrong tokens (use "
+                "num_speculative_tokens=0)"
+            )
+        if k and (found is None or not self.model.num_nextn_predict_layers):
+            raise ValueError(
+                f"num_speculative_tokens={k} with {DEEPSEEK_V4}: the checkpoint has no MTP "
+                f"layer (num_nextn_predict_layers={self.model.num_nextn_predict_layers}, "
+                f"mtp.* tensors: {'none' if found is None else found[1] + ', ...'}); use "
+                "num_speculative_tokens=0"
+            )
+        if k and self.spec.draft_model:
+            raise ValueError(
+                f"speculative_draft_model={self.spec.draft_model!r} with {DEEPSEEK_V4}: V4 "
+                "drafts with the MTP layer in its own checkpoint (leave it unset)"
+            )
+        if k and self.spec.draft_vocab_size:
+            raise ValueError(
+                f"speculative_draft_vocab_size={self.spec.draft_vocab_size} with {DEEPSEEK_V4}:"
+                " a hot-vocabulary draft head for V4 is not implemented (use 0)"
             )
         if self.device.enable_graph:
             raise ValueError(

@@ -95,6 +95,11 @@ class DeepseekV3MTP(nn.Module):
     def target(self) -> DeepseekV3ForCausalLM:
         return self._target[0]
 
+    @property
+    def cache_dims(self) -> list[int]:
+        """Numbers per token of each MTP layer's cache rows (a latent row each)."""
+        return [self.config.kv_cache_dim] * len(self.layers)
+
     def process_weights_after_loading(self) -> None:
         process_tree(self)
 

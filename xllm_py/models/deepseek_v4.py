@@ -6,8 +6,7 @@
         streams = post * Attention_i(attn_norm(x)) + comb^T @ streams
         post, comb, x = ffn_hc(streams)
         streams = post * MoE_i(ffn_norm(x)) + comb^T @ streams
-    hidden = norm(hc_head(streams))
-    logits = head(hidden)
+    logits = head(norm(hc_head(streams)))
 
 Attention is shared-KV multi-query attention (one head_dim-wide head read as key and
 value) over a sliding window of the latest `sliding_window` tokens, with a learned sink per
@@ -34,12 +33,14 @@ chosen scores are normalised and scaled, expert gate and up activations are clam
 `swiglu_limit`, and one shared expert is added.
 
 Like V3, `forward(input_ids, positions)` takes a flat batch of any requests' tokens, and the
-batch's layout in the cache arrives through `models.context`. Checked against HF
-transformers' `DeepseekV4ForCausalLM` (tests/test_deepseek_v4.py, one request in chunks) and
-through the engine (tests/test_deepseek_v4_engine.py). Not here: tensor / expert
-parallelism, MTP drafts, graph mode, quantised (FP8 / FP4) checkpoints; config.py and the
-worker refuse them for V4. Parameter names are those HF's `save_pretrained` writes (the
-release's: `attn.wq_a`, `attn.compressor.ape`, `ffn.gate.tid2eid`, `hc_attn_fn`, ...).
+batch's layout in the cache arrives through `models.context`; it returns the streams before
+the head's collapse (`hc_head`, `norm`: `compute_logits` applies them), since the MTP draft
+(models/deepseek_v4_mtp.py) drafts from the streams. Checked against HF transformers'
+`DeepseekV4ForCausalLM` (tests/test_deepseek_v4.py, one request in chunks) and through
+the engine (tests/test_deepseek_v4_engine.py). Not here: tensor / expert parallelism,
+graph mode, quantised (FP8 / FP4) checkpoints; config.py and the worker refuse them for
+V4. Parameter names are those HF's `save_pretrained` writes (the release's: `attn.wq_a`,
+`attn.compressor.ape`, `ffn.gate.tid2eid`, `hc_attn_fn`, ...).
 """
 
 from __future__ import annotations
@@ -157,11 +158,17 @@ def hyper_weights(streams, fn, base, scale, cfg: V4Config):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: V4Config, i: int, ropes: dict[str, Rope]) -> None:
+    def __init__(
+        self, cfg: V4Config, i: int, ropes: dict[str, Rope], kind: str = "", hashed: bool = False
+    ) -> None:
+        """Layer i of the config's (its kind and routing from `layer_types` and
+        `mlp_layer_types`), or past them (an MTP block: `kind` and `hashed` given)."""
         super().__init__()
         n = cfg.hc_mult
-        self.attn = Attention(cfg, cfg.layer_types[i], ropes, cache_index=i)
-        self.ffn = MoE(cfg, cfg.mlp_layer_types[i] == "hash_moe")
+        if i < cfg.num_hidden_layers:
+            kind, hashed = cfg.layer_types[i], cfg.mlp_layer_types[i] == "hash_moe"
+        self.attn = Attention(cfg, kind, ropes, cache_index=i)
+        self.ffn = MoE(cfg, hashed)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         for part in ("attn", "ffn"):
@@ -206,9 +213,14 @@ class HyperHead(nn.Module):
         self.cfg = cfg
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mix = F.linear(rms(streams.flatten(1).float(), self.cfg.rms_norm_eps), self.hc_fn.float())
-        pre = torch.sigmoid(mix * self.hc_scale.float() + self.hc_base.float()) + self.cfg.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return collapse(streams, self.hc_fn, self.hc_base, self.hc_scale, self.cfg)
+
+
+def collapse(streams, fn, base, scale, cfg: V4Config) -> torch.Tensor:
+    """streams [S, n, hidden] -> one hidden state [S, hidden], mixed by `pre` weights."""
+    mix = F.linear(rms(streams.flatten(1).float(), cfg.rms_norm_eps), fn.float())
+    pre = torch.sigmoid(mix * scale.float() + base.float()) + cfg.hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
 class DeepseekV4Model(nn.Module):
@@ -258,19 +270,26 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] (any requests' tokens, laid out by the forward context)
-        -> hidden states after the final norm [T, hidden]."""
+        -> the last layer's residual streams [T, hc_mult, hidden], before the head's collapse
+        (`compute_logits` does that): the MTP layer drafts from them (deepseek_v4_mtp.py)."""
+        views, cis = self.views_and_rotations(positions)
+        h = self.model.embed_tokens(input_ids)
+        streams = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for layer in self.model.layers:
+            streams = layer(streams, input_ids, cis, views)
+        return streams
+
+    def views_and_rotations(self, positions: torch.Tensor):
+        """The batch's attention groups (`group_view`) and the positions' rotations by each
+        RoPE, for this pass's layers."""
         ctx = get_forward_context()
         block_size = ctx.kv_caches[0].shape[1]
         cfg = self.config
         views: list[GroupView] = [
             group_view(g, block_size, cfg.sliding_window, cfg.rates) for g in ctx.groups
         ]
-        cis = {name: rope.cis(positions) for name, rope in self.model.ropes.items()}
-        h = self.model.embed_tokens(input_ids)
-        streams = h.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        for layer in self.model.layers:
-            streams = layer(streams, input_ids, cis, views)
-        return self.model.norm(self.model.hc_head(streams))
+        return views, {name: rope.cis(positions) for name, rope in self.model.ropes.items()}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden).float()
+        """Residual streams [T, hc_mult, hidden] -> logits [T, vocab] (float32)."""
+        return self.head(self.model.norm(self.model.hc_head(hidden))).float()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from xllm_py.config import EngineConfig, ModelConfig
+from xllm_py.config import V4_DRAFT_PREFIX, EngineConfig, ModelConfig
 from xllm_py.executor.messages import ModelRunnerOutput, SchedulerOutput
 from xllm_py.models.attention_layout import RequestLayout, build_context
 from xllm_py.models.context import forward_context
@@ -28,6 +28,7 @@ from xllm_py.models.deepseek_mtp import (
 )
 from xllm_py.models.deepseek_v3 import DeepseekV3ForCausalLM
 from xllm_py.models.deepseek_v4 import DeepseekV4ForCausalLM, V4Config
+from xllm_py.models.deepseek_v4_mtp import DeepseekV4MTP
 from xllm_py.ops.backends import install as install_kernels
 from xllm_py.ops.backends import select_kernels
 from xllm_py.ops.fp8_gemm import fp8_gemm_available
@@ -121,6 +122,8 @@ def load_target_model(
     n = mcfg.num_hidden_layers
 
     def target_only(name: str) -> str | None:  # layers >= num_hidden_layers are the MTP draft's
+        if mcfg.is_v4 and name.startswith(V4_DRAFT_PREFIX):  # V4's draft module (config.py)
+            return None
         i = layer_index(name)
         return None if i is not None and i >= n else name
 
@@ -163,6 +166,8 @@ def load_draft_model(
             f"num_speculative_tokens={k}: the draft has {num_mtp} MTP layers, and drafting past "
             f"the last one is supported only with a single MTP layer; use at most {num_mtp}"
         )
+    if mcfg.is_v4:
+        return load_v4_draft(ckpt, target, num_mtp, device, dtype)
     # An exported draft is dequantised (tools/export_deepseek_mtp.py); the MTP layer in an
     # FP8 or INT4 checkpoint is held like the target's layers.
     block = None if draft_path else resident_fp8_block(config, device)
@@ -181,6 +186,24 @@ def load_draft_model(
     shared = [n for n, m in mapping.items() if isinstance(m, tuple)]
     for name, tensor in ckpt.tensors(shared, desc="checking shared tensors"):
         check_shared_copy(name, tensor, target_state[mapping[name][1]])
+    draft.process_weights_after_loading()
+    return draft.eval()
+
+
+def load_v4_draft(
+    ckpt: Checkpoint, target: DeepseekV4ForCausalLM, num_mtp: int, device: torch.device, dtype
+) -> DeepseekV4MTP:
+    """DeepSeek-V4's MTP layer(s), the target checkpoint's `mtp.*` tensors (config.py has
+    checked that they are MTP layers, not DSpark's drafter)."""
+    with default_dtype(dtype), torch.device(device):
+        draft = DeepseekV4MTP(target.config, target, num_mtp)
+    stats = load_weights(
+        draft,
+        ckpt,
+        lambda name: name if name.startswith(V4_DRAFT_PREFIX) else None,
+        desc="loading the MTP draft",
+    )
+    logger.info("MTP draft weights: %s", stats)
     draft.process_weights_after_loading()
     return draft.eval()
 
@@ -275,7 +298,7 @@ class Worker:
         self.kernels = select_kernels(config.device)  # before loading: a bad flag fails fast
         self.model = load_target_model(config, self.device, self.dtype, parallel)
         install_kernels(self.model, self.kernels)
-        self.draft: DeepseekV3MTP | None = None
+        self.draft: DeepseekV3MTP | DeepseekV4MTP | None = None
         if config.spec.num_speculative_tokens:
             self.draft = load_draft_model(
                 config, self.model, config.spec.draft_model, self.device, self.dtype
@@ -288,8 +311,7 @@ class Worker:
     def cache_dims(self) -> list[int]:
         """Numbers cached per token in each cache layer: the target's layers (its
         `cache_dims`), then the draft's MTP layers (a latent cache each)."""
-        draft = len(self.draft.layers) if self.draft else 0
-        return list(self.model.cache_dims) + [self.config.model.kv_cache_dim] * draft
+        return list(self.model.cache_dims) + (self.draft.cache_dims if self.draft else [])
 
     @property
     def bytes_per_block(self) -> int:
