@@ -165,7 +165,7 @@ class DecoderLayer(nn.Module):
         `mlp_layer_types`), or past them (an MTP block: `kind` and `hashed` given)."""
         super().__init__()
         n = cfg.hc_mult
-        if i < cfg.num_hidden_layers:
+        if i < len(cfg.layer_types):
             kind, hashed = cfg.layer_types[i], cfg.mlp_layer_types[i] == "hash_moe"
         self.attn = Attention(cfg, kind, ropes, cache_index=i)
         self.ffn = MoE(cfg, hashed)
