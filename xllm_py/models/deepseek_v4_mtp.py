@@ -34,8 +34,6 @@ from xllm_py.models.deepseek_v4_config import SLIDING, V4Config
 from xllm_py.models.layers.compressed_attention import linear
 from xllm_py.models.layers.norm import RMSNorm
 
-PREFIX = "mtp."  # the draft's tensors in the release (config.py's V4_DRAFT_PREFIX)
-
 
 class MTPLayer(DecoderLayer):
     """The block (`attn.*`, `ffn.*`, `hc_attn_*`, ... as a target layer's) and the pieces

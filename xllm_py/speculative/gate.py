@@ -107,7 +107,7 @@ class _Period:
 class _Bucket:
     ratios: list[float] = field(default_factory=list)  # drafting / plain, adjacent pairs
     incumbent: bool | None = None  # the kind this bucket runs between trials
-    opened: bool | None = None  # the kind of the last period it opened (while measuring)
+    last_kind: bool | None = None  # the kind of the last period it opened (while measuring)
     until_trial: int = 0  # periods of this bucket to its next trial
 
 
@@ -168,8 +168,8 @@ class DraftGate:
         bucket = self.buckets.setdefault(key, _Bucket())
         ratio = self.ratio(bucket)
         if ratio is None:  # alternate the kinds, drafting first
-            bucket.opened = not bucket.opened if bucket.opened is not None else True
-            return _Period(bucket.opened, key, index=self.opened)
+            bucket.last_kind = not bucket.last_kind if bucket.last_kind is not None else True
+            return _Period(bucket.last_kind, key, index=self.opened)
         best = self._best(bucket, ratio, requests)
         bucket.until_trial -= 1
         trial = bucket.until_trial <= 0
