@@ -5,7 +5,8 @@ Each rank is its own engine (scheduler, paged latent cache, MTP drafts) over its
 32 held-out ShareGPT prompts; the routed experts are partitioned over the ranks and every
 MoE layer exchanges tokens with all-to-all. Each rank steps while any rank has work
 (the lockstep the master's engine core keeps in a cluster), so a rank with no requests
-joins every exchange with no tokens. Against one process on the bundled model, greedy,
+joins every exchange with no tokens. Against one process on conftest.py's shallow copy
+of the bundled model (2 decoder layers; the check holds for any weights), greedy,
 32 tokens each: the same tokens, logprobs within 1e-4, on 2 and 4 ranks (k = 0 and 1 on 2
 ranks only: 4 ranks' exchanges take the same shapes with k = 2, and more of them):
 - MTP k = 0, 1 and 2, the prompts spread evenly;
@@ -28,6 +29,7 @@ import functools
 import pytest
 import torch
 
+from tests.conftest import SHALLOW_LAYERS
 from tests.ranks import lockstep_generate, run_ranks, use_parallel_workers
 from tests.test_bundled_model import held_out_user_turns
 from tests.test_tensor_parallel import assert_same_logprobs
@@ -37,15 +39,16 @@ from xllm_py.parallel.context import ParallelContext
 N_PROMPTS, NEW_TOKENS = 32, 32
 ENGINE = dict(dtype="float32", block_size=16)
 CONTEXT_END = 96  # the context_end job's max_model_len: prompts over 32 tokens reach it
-BLOCK_BYTES = 9 * 16 * (64 + 32) * 4  # the bundled model: 8 layers + MTP, latent 64 + rope 32
+# a block of the shallow model's cache: its layers and the MTP layer, latent 64 + rope 32
+BLOCK_BYTES = (SHALLOW_LAYERS + 1) * 16 * (64 + 32) * 4
 ROOMY = dict(max_cache_size=512 * BLOCK_BYTES)
 # 24 blocks: fewer than the 16 prompts of one rank (each 2-3 blocks) need together
 TIGHT = dict(max_cache_size=24 * BLOCK_BYTES, enable_prefix_cache=True)
 
 
 @pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    tok = LLM(**ENGINE, **ROOMY, max_model_len=1024).get_tokenizer()
+def prompts(shallow_model) -> list[list[int]]:
+    tok = LLM(model=shallow_model, **ENGINE, **ROOMY, max_model_len=1024).get_tokenizer()
     return [
         tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))
         for t in held_out_user_turns(N_PROMPTS)
@@ -109,7 +112,7 @@ def jobs_for(world: int) -> list[tuple]:
     return [job for job in JOBS if world == 2 or job[0] in FOUR_RANK_JOBS]
 
 
-def _rank_jobs(prompts, parallel: ParallelContext) -> dict:
+def _rank_jobs(model: str, prompts, parallel: ParallelContext) -> dict:
     use_parallel_workers(parallel)
     # the exchange's transport: rank r sends r + 1 rows to each rank, in bf16, and gets
     # them back in rank order, bit for bit
@@ -121,7 +124,7 @@ def _rank_jobs(prompts, parallel: ParallelContext) -> dict:
     assert parallel.max_over_dp([r, -r], torch.device("cpu")) == [n - 1, 0]
     out = {}
     for name, k, how, cache, max_len, max_tokens in jobs_for(parallel.dp_size):
-        llm = LLM(**ENGINE, **cache, max_model_len=max_len, num_speculative_tokens=k)
+        llm = LLM(model=model, **ENGINE, **cache, max_model_len=max_len, num_speculative_tokens=k)
         mine = spread(parallel.dp_size, how, prompts)[parallel.dp_rank]
         done, steps = generate(llm, {i: prompts[i] for i in mine}, greedy(max_tokens), parallel)
         out[name] = (done, steps, llm.engine.core.stats().num_preemptions)
@@ -130,19 +133,22 @@ def _rank_jobs(prompts, parallel: ParallelContext) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single(prompts):
+def single(shallow_model, prompts):
     out = {}
     for k, max_len, max_tokens in {(k, m, t) for _, k, _, _, m, t in JOBS}:
-        llm = LLM(**ENGINE, **ROOMY, max_model_len=max_len, num_speculative_tokens=k)
+        llm = LLM(
+            model=shallow_model, **ENGINE, **ROOMY, max_model_len=max_len, num_speculative_tokens=k
+        )
         out[k, max_len] = generate(llm, dict(enumerate(prompts)), greedy(max_tokens))
     return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_dp_attention_ranks_generate_like_one_process(prompts, single, world, tmp_path):
-    ranks = run_ranks(
-        world, functools.partial(_rank_jobs, prompts), tmp_path, world=world, dp_attention=True
-    )
+def test_dp_attention_ranks_generate_like_one_process(
+    shallow_model, prompts, single, world, tmp_path
+):
+    jobs = functools.partial(_rank_jobs, shallow_model, prompts)
+    ranks = run_ranks(world, jobs, tmp_path, world=world, dp_attention=True)
     for name, k, how, _, max_len, _ in jobs_for(world):
         merged, steps = {}, set()
         for r, rank in enumerate(ranks):
@@ -162,9 +168,9 @@ def test_dp_attention_ranks_generate_like_one_process(prompts, single, world, tm
     assert ends and all(len(prompts[i]) + len(t) == CONTEXT_END for i, (t, _) in ends.items())
 
 
-def _rank_graphs(prompts, parallel: ParallelContext) -> dict:
+def _rank_graphs(model: str, prompts, parallel: ParallelContext) -> dict:
     use_parallel_workers(parallel)
-    llm = LLM(**ENGINE, **ROOMY, max_model_len=1024, num_speculative_tokens=1,
+    llm = LLM(model=model, **ENGINE, **ROOMY, max_model_len=1024, num_speculative_tokens=1,
               enable_graph=True, graph_batch_sizes=[4])  # fmt: skip
     mine = range(8) if parallel.dp_rank == 0 else []
     done, _ = generate(llm, {i: prompts[i] for i in mine}, greedy(16), parallel)
@@ -174,17 +180,23 @@ def _rank_graphs(prompts, parallel: ParallelContext) -> dict:
 
 # Slow (compiling on both ranks): `make test-slow`.
 @pytest.mark.slow
-def test_dp_attention_in_graph_mode_generates_like_one_eager_process(prompts, tmp_path):
+def test_dp_attention_in_graph_mode_generates_like_one_eager_process(
+    shallow_model, prompts, tmp_path
+):
     """Graph mode on 2 DP-attention ranks, MTP k = 1, buckets of 4: the exchange is one op
     in the graphs, so a rank decoding in a graph meets one that is idle (rank 1 has no
     requests) or eager; the tokens and logprobs of one eager process."""
     want = generate(
-        LLM(**ENGINE, **ROOMY, max_model_len=1024, num_speculative_tokens=1),
+        LLM(model=shallow_model, **ENGINE, **ROOMY, max_model_len=1024, num_speculative_tokens=1),
         dict(enumerate(prompts[:8])),
         greedy(16),
     )
     ranks = run_ranks(
-        2, functools.partial(_rank_graphs, prompts), tmp_path, world=2, dp_attention=True
+        2,
+        functools.partial(_rank_graphs, shallow_model, prompts),
+        tmp_path,
+        world=2,
+        dp_attention=True,
     )
     (done, steps), (idle, _) = ranks
     assert not idle and sum(steps.values()) > 0, steps  # rank 0 decoded in its graphs

@@ -8,7 +8,10 @@ distribution (tests/test_spec_sampling_distribution.py's comparison).
 
 Compiling is most of this file's time, so the k = 2 engine is compiled once, for its
 greedy and its sampled test; plain decoding (k = 0) is compiled once, by the background
-warm-up test, which holds the same exactness bar once its graphs are in."""
+warm-up test, which holds the same exactness bar once its graphs are in. The model is
+conftest.py's `shallow_model`, the bundled model's shapes with 2 decoder layers (one dense,
+one MoE) instead of 8: Inductor compiles each layer's kernels, and what graph mode must
+get right is the same for every layer."""
 
 from __future__ import annotations
 
@@ -24,11 +27,11 @@ from xllm_py.models.layers import moe
 PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=0) for n in (24, 12, 6)]
 # The one batch size compiled; the sampled test's requests come in waves of this size.
 BUCKET = 4
-# Single-row steps of the bundled tiny model (top-2 experts) make 8 (token, expert)
-# assignments at BUCKET, verification of k = 2 drafts 24. With graphs gathering the chosen
-# experts' weights up to 16 assignments (models/layers/moe.py; the daemon's limit is
-# higher), the first take the gathered form in the graph and the second the grouped one,
-# so both run here.
+# Single-row steps of the model (top-2 of 8 experts, as in the bundled one) make 8 (token,
+# expert) assignments at BUCKET, verification of k = 2 drafts 24. With graphs gathering
+# the chosen experts' weights up to 16 assignments (models/layers/moe.py; the daemon's
+# limit is higher), the first take the gathered form in the graph and the second the
+# grouped one, so both run here.
 GATHER_LIMIT = 16
 # At most BUCKET requests per step, so on CPU every engine here sizes its KV cache for that
 # many full-length requests, 128 blocks (by default it would zero room for 256).
@@ -47,8 +50,8 @@ def both_moe_forms():
 
 
 @pytest.fixture(scope="module")
-def eager_llm():
-    return LLM(**OPTIONS)
+def eager_llm(shallow_model):
+    return LLM(model=shallow_model, **OPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +75,14 @@ def eager(eager_llm, prompts):
 
 
 @pytest.fixture(scope="module")
-def mtp_graphs():
+def mtp_graphs(shallow_model):
     """Graph mode with MTP k = 2 in one bucket of 4 requests (compiled at start-up, the
     offline default), and the graph breaks dynamo counted while compiling. Every step
     drafts k (confidence scheduling off: its draft lengths follow the measured step
     costs, so which graph a step takes would depend on the machine's load)."""
     torch._dynamo.utils.counters.clear()
     llm = LLM(
+        model=shallow_model,
         enable_graph=True,
         graph_batch_sizes=[BUCKET],
         num_speculative_tokens=K,
@@ -130,38 +134,48 @@ def test_graph_mode_with_mtp_gives_eager_tokens_and_logprobs(prompts, eager, mtp
     assert blocks.num_free_blocks == blocks.num_blocks
 
 
-def test_graph_mode_speculative_sampling_keeps_the_distribution(mtp_graphs):
+def test_graph_mode_speculative_sampling_keeps_the_distribution(shallow_model, mtp_graphs):
     """Verification and drafting in graphs, the drafts sampled from q: GRAPH_SAMPLES
     continuations at temperature 1.2 with min-p 0.05 against plain eager decoding's
-    (test_spec_sampling_distribution.py's prompt, plain arm and chi-square test). Requests
-    come in waves of 4, the bucket (a step that admits a request mixes its prefill with the
-    others' verification, and runs eager); a wave's batch shrinks as its requests finish,
-    padded to the bucket."""
+    (test_spec_sampling_distribution.py's prompt and chi-square test; the plain arm
+    sampled here, from the same model). Requests come in waves of 4, the bucket (a step
+    that admits a request mixes its prefill with the others' verification, and runs
+    eager); a wave's batch shrinks as its requests finish, padded to the bucket."""
     llm, _ = mtp_graphs
     runner = llm.engine.core.executor.worker.runner
     assert runner.draft_sampler is not None  # sampled drafts
     setting, ids = "t1.2-minp0.05", dist.prompt_ids()
-    plain = dist.sample(ids, setting, 0, seed=1)[0]  # the plain arm of that file's tests
+    plain = dist.sample(ids, setting, 0, seed=1, model=shallow_model)[0]
     m0, key = llm.get_metrics(), (BUCKET, 1 + K)
-    target, mtp = runner.graphs.steps.get(key, 0), runner.proposer.graphs[0].steps.get(key, 0)
+    target, mtp = runner.graphs.steps.get(key, 0), steps_in(runner.proposer.graphs[0])
     spec = dist.draw(llm, ids, setting, wave=BUCKET, samples=GRAPH_SAMPLES)
     m = llm.get_metrics()
     assert 0 < m.accepted_tokens - m0.accepted_tokens < m.draft_tokens - m0.draft_tokens
     # verification and drafting ran in graphs in most waves (the last steps of a wave,
-    # where drafts are cut short by max_tokens, are not uniform and run eager)
+    # where drafts are cut short by max_tokens, are not uniform and run eager; so is the
+    # MTP pass over the verified rows when the requests accepted different numbers of
+    # drafts, while the chained draft pass, a row each, is uniform)
     waves = GRAPH_SAMPLES // BUCKET
     assert runner.graphs.steps.get(key, 0) - target > waves / 2
-    assert runner.proposer.graphs[0].steps.get(key, 0) - mtp > waves / 2
+    assert steps_in(runner.proposer.graphs[0]) - mtp > waves / 2
     dist.assert_same_distribution(plain, spec, f"graph mode, k=2 vs plain, {setting}")
 
 
-def test_background_warm_up_serves_eager_at_once_then_swaps_the_graphs_in(prompts, eager):
+def test_background_warm_up_serves_eager_at_once_then_swaps_the_graphs_in(
+    shallow_model, prompts, eager
+):
     """--graph_warm_up=background (the daemon's default), plain decoding: the engine answers
     while its graphs compile on another thread (eager's tokens meanwhile, no step waits for
     the compiler), and once they are compiled every step after the prefill runs in them,
     with eager's tokens and logprobs within 1e-5."""
     torch._dynamo.utils.counters.clear()
-    llm = LLM(enable_graph=True, graph_batch_sizes=[BUCKET], graph_warm_up="background", **OPTIONS)
+    llm = LLM(
+        model=shallow_model,
+        enable_graph=True,
+        graph_batch_sizes=[BUCKET],
+        graph_warm_up="background",
+        **OPTIONS,
+    )
     worker = llm.engine.core.executor.worker
     graphs = worker.runner.graphs
     assert decode(llm, prompts)[0] == eager[0]  # while compiling (or just after)
@@ -185,10 +199,11 @@ def test_graph_mode_flags_are_checked():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("k", [0, 2])
-def test_graph_mode_on_cuda_gives_eager_tokens(prompts, k):
+def test_graph_mode_on_cuda_gives_eager_tokens(shallow_model, prompts, k):
     """The same graphs (Inductor) on a CUDA device: eager's tokens, logprobs within 1e-4
     (GPU kernels round differently from one another)."""
-    opts = dict(OPTIONS, device="cuda:0", num_speculative_tokens=k, max_cache_size=2**30)
+    opts = dict(OPTIONS, model=shallow_model, device="cuda:0", num_speculative_tokens=k)
+    opts |= dict(max_cache_size=2**30)
     eager_tokens, eager_logprobs = decode(LLM(**opts), prompts)
     tokens, logprobs = decode(LLM(enable_graph=True, graph_batch_sizes=[4], **opts), prompts)
     assert tokens == eager_tokens
