@@ -7,7 +7,7 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup test test-slow test-gpu gpu-report serve lint clean proto mutation peers
+.PHONY: setup test test-slow test-gpu gpu-report gpu-check gpu-wheels serve lint clean proto mutation peers
 
 setup: $(STAMP)
 
@@ -48,6 +48,21 @@ test-gpu: setup
 # bf16 and FP8, -> perf/results/gpu/<device>.json. Without CUDA it runs the tiny preset on CPU.
 gpu-report: setup
 	$(VPY) -m perf.gpu_report $(ARGS)
+
+# The prepared GPU check (scripts/gpu_check.sh: the `gpu` tests, then gpu_report eager and in
+# graph mode, about 9 minutes in all, everything written to OUT). No `setup`: a lent GPU
+# machine has its own python3 with a CUDA torch and no package registry; what it lacks
+# travels as wheels in .whl/, which `make gpu-wheels` downloads here (CPython 3.12, x86-64).
+OUT ?= perf/results/gpu/check
+gpu-check:
+	bash scripts/gpu_check.sh $(OUT)
+
+GPU_WHEELS = msgspec==0.22.0 grpcio==1.85.3 grpcio-tools==1.85.1 protobuf==7.36.2 dill==0.4.1 \
+	h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0
+gpu-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 serve: setup
 	$(VPY) -m xllm_py --num_speculative_tokens=1 $(ARGS)

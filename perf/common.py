@@ -81,11 +81,14 @@ def http_client(timeout_s: float, **kw):
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=60.0), **kw)
 
 
-def write_json(path: Path | str, result: dict) -> None:
+def write_json(path: Path | str, result: dict, announce: bool = True) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
+    partial = path.with_name(path.name + ".tmp")  # a run killed mid-write keeps the last one
+    partial.write_text(json.dumps(result, indent=1) + "\n")
+    partial.replace(path)
+    if announce:
+        print(f"wrote {path}")
 
 
 def md_table(head: list[str], rows: list[list]) -> str:

@@ -10,7 +10,11 @@ an untimed run), step_cost.py's profiler split of a step, the batch-1 roofline (
 must read / step time, over the peak bandwidth: datasheet, --hbm-gbps or a measured copy),
 and the MTP step cost with an oracle draft (perf/oracle.py) while the real MTP layer runs,
 emitted tokens pinned to the plain run's (`verification_agreement`: the share the
-verification chose itself). JSON: perf/results/gpu/<device>[-<preset>].json.
+verification chose itself). --enable-graph runs every engine in graph mode (a graph per
+batch size, compiled at start-up: the engine_start_s figures). JSON:
+perf/results/gpu/<device>[-<preset>][-graph].json, written again after every row, so a run
+stopped part way (a device lent for minutes) keeps what it measured; "complete" says
+whether it ran to the end.
 """
 
 from __future__ import annotations
@@ -153,12 +157,15 @@ def make_llm(path: Path, cfg: dict, args, dtype: torch.dtype, k: int):
         # every step drafts k: the confidence policy would stop drafting where its step
         # timings say a draft does not pay (it did at batch 1, k = 1, eager on an H200)
         speculative_confidence="off", seed=args.seed,
+        enable_graph=args.enable_graph, graph_batch_sizes=args.batch_sizes,
+        graph_warm_up="startup",
     )  # fmt: skip
 
 
-def bench_engine(llm, k: int, args, device, vocab: int, plain: dict, reference: dict) -> list:
-    """Every batch size on one engine (k drafts; k = 0 records the plain baseline)."""
-    rows, tally = [], install_oracle(llm, reference, k) if k else None
+def bench_engine(llm, k: int, args, device, vocab: int, plain: dict, reference: dict, rows, save):
+    """Every batch size on one engine (k drafts; k = 0 records the plain baseline), each
+    row appended to `rows` and saved (`save()`) as soon as it is measured."""
+    tally = install_oracle(llm, reference, k) if k else None
     for b in args.batch_sizes:
         prompts = prompts_for(b, args.prompt_len, vocab)
         decode_run(llm, prompts, args.new_tokens, device)  # warm-up: every shape of the run
@@ -190,7 +197,7 @@ def bench_engine(llm, k: int, args, device, vocab: int, plain: dict, reference: 
             flush=True,
         )
         rows.append(row)
-    return rows
+        save()
 
 
 def resident_bytes(model) -> dict:
@@ -221,33 +228,35 @@ def roofline(bm: ByteModel, args, step_ms: float, peak: dict) -> dict:
     }  # fmt: skip
 
 
-def bench_format(fmt: str, path: Path, args, device, dtype, peak) -> dict:
+def bench_format(fmt: str, path: Path, args, device, dtype, peak, out: dict, save) -> None:
+    """Fill `out` with the format's figures, saving (`save()`) after every row."""
     cfg = json.loads((path / "config.json").read_text())
-    plain, reference, rows, load_s = {}, {}, [], {}
+    plain, reference = {}, {}
+    out.update(
+        checkpoint=str(path),
+        fp8_block=cfg.get("quantization_config", {}).get("weight_block_size"),
+        engine_start_s={},
+        decode_tok_s={},
+        roofline_batch1=None,
+        runs=[],
+    )
     for k in [0] + args.k:
         t = time.perf_counter()
         llm = make_llm(path, cfg, args, dtype, k)
-        load_s[k] = time.perf_counter() - t
+        out["engine_start_s"][k] = start = time.perf_counter() - t
         held = resident_bytes(llm.engine.core.executor.worker.model)
-        in_memory = max(held, key=held.get)
+        out.update(weights_in_memory_dtype=max(held, key=held.get), weights_in_memory_bytes=held)
         mib = ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in held.items())
-        print(f"{fmt}, k={k}: engine ready in {load_s[k]:.1f} s; target weights: {mib}", flush=True)
-        rows += bench_engine(llm, k, args, device, cfg["vocab_size"], plain, reference)
+        print(f"{fmt}, k={k}: engine ready in {start:.1f} s; target weights: {mib}", flush=True)
+        bench_engine(llm, k, args, device, cfg["vocab_size"], plain, reference, out["runs"], save)
+        out["decode_tok_s"] = {b: row["decode_tok_s"] for b, row in plain.items()}
         close(llm)
-    out = {
-        "checkpoint": str(path),
-        "fp8_block": cfg.get("quantization_config", {}).get("weight_block_size"),
-        "weights_in_memory_dtype": in_memory, "weights_in_memory_bytes": held,
-        "engine_start_s": load_s,
-        "decode_tok_s": {b: row["decode_tok_s"] for b, row in plain.items()},
-        "roofline_batch1": None, "runs": rows,
-    }  # fmt: skip
     fp8_held = any(n.startswith("float8") for n in held)
     bm = byte_model(str(path), str(dtype).removeprefix("torch."), fp8_held=fp8_held)
     out["byte_model"] = asdict(bm)
     if 1 in plain:
         out["roofline_batch1"] = roofline(bm, args, plain[1]["step_ms"], peak)
-    return out
+    save()
 
 
 def print_table(result: dict) -> None:
@@ -297,7 +306,10 @@ FLAGS = [  # (flag, type, default, help)
      "temporary directory)"),
     ("--seed", int, 0, "seed of the random weights and of the engine"),
     ("--threads", int, None, "torch CPU threads (None: torch's)"),
-    ("--output", Path, None, "JSON file (None: perf/results/gpu/<device>[-<preset>].json)"),
+    ("--enable-graph", bool, False, "run every engine in graph mode, a graph per batch size "
+     "compiled at start-up (the engine's --enable_graph)"),
+    ("--output", Path, None, "JSON file (None: perf/results/gpu/<device>[-<preset>]"
+     "[-graph].json)"),
 ]  # fmt: skip
 
 
@@ -341,17 +353,29 @@ def main(argv: list[str] | None = None) -> dict:
         "k": args.k,
         "warmup": "one untimed run of the same batch before the timed one",
         "peak_bandwidth": peak,
+        "graph_mode": args.enable_graph,
+        "complete": False,
         "formats": {},
     }
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    suffix = ("" if args.preset == "gpu" else f"-{args.preset}") + (
+        "-graph" if args.enable_graph else ""
+    )
+    output = args.output or RESULTS / "gpu" / f"{slug}{suffix}.json"
+
+    def save() -> None:
+        write_json(output, result, announce=False)
+
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work_dir or Path(tmp)
         for fmt in args.formats:
             path = checkpoint(work, args.preset, fmt, args.seed)
-            result["formats"][fmt] = bench_format(fmt, path, args, device, dtype, peak)
+            bench_format(
+                fmt, path, args, device, dtype, peak, result["formats"].setdefault(fmt, {}), save
+            )
     print_table(result)
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    suffix = "" if args.preset == "gpu" else f"-{args.preset}"
-    write_json(args.output or RESULTS / "gpu" / f"{slug}{suffix}.json", result)
+    result["complete"] = True
+    write_json(output, result)
     return result
 
 

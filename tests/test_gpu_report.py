@@ -10,6 +10,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def layout(preset: str) -> tuple[dict, int, int, int, int]:
 def test_every_format_reports_decode_speed_and_where_fp8_weights_live(report):
     result = report[0]
     assert set(result["formats"]) == {"bf16", "fp8"}
+    assert result["complete"] is True and result["graph_mode"] is False
     for fmt, res in result["formats"].items():
         assert res["weights_in_memory_dtype"] == result["run_dtype"] == "float32"
         assert set(res["weights_in_memory_bytes"]) == {"float32"}  # FP8 expanded at load
@@ -66,6 +68,32 @@ def test_every_format_reports_decode_speed_and_where_fp8_weights_live(report):
         assert sorted((r["k"], r["batch"]) for r in res["runs"]) == sorted(
             (k, b) for k in [0, *KS] for b in BATCHES
         )
+
+
+def test_a_run_stopped_part_way_keeps_the_rows_it_measured(tmp_path):
+    """The JSON is written again after every row (a device lent for minutes can take a run
+    away at any point): killed after its first row, the file holds that row, marked not
+    complete."""
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "perf.gpu_report", "--preset", "tiny", "--device", "cpu"]
+    cmd += ["--formats", "bf16", "--batch-sizes", "1", "8", "--k", "1", "--prompt-len", "8"]
+    cmd += ["--new-tokens", "4", "--threads", "1", "--output", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if "k=0 batch   1:" in line:
+                break
+        deadline = time.monotonic() + 30
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    result = json.loads(out.read_text())
+    assert result["complete"] is False
+    runs = result["formats"]["bf16"]["runs"]
+    assert [(r["k"], r["batch"]) for r in runs][:1] == [(0, 1)] and runs[0]["decode_tok_s"] > 0
 
 
 def test_step_split_covers_the_step_once(report):
