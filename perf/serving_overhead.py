@@ -15,8 +15,10 @@ Offline: the engine in this process (LLM), each held-out ShareGPT prompt alone, 
 EOS ignored: decode time / (tokens - 1). Serving: the daemon (`python -m xllm_py`) with
 the same engine options, the same prompts as token ids, one stream at a time: (last
 token's arrival - first token's arrival) / (tokens - 1). The ratio serving / offline is
-what the HTTP process, the engine loop and streaming add. Medians over the prompts;
-results/serving_overhead.json.
+what the HTTP process, the engine loop and streaming add. Both are up at once and take
+turns, prompt by prompt, for --rounds rounds (each idle while the other runs): a shared
+machine's speed moves by more than the overhead between two runs minutes apart. Medians
+over the prompts and rounds; results/serving_overhead.json.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ FLAGS = [
     ("--graph", bool, False, "graph mode (--enable_graph) on both sides"),
     ("--prompts", int, 4, "held-out ShareGPT prompts, each decoded alone"),
     ("--new-tokens", int, 128, "output tokens per request"),
+    ("--rounds", int, 2, "times each prompt is decoded offline and served, taking turns"),
     ("--startup", bool, False, "measure the default start-up, fresh and with the cache"),
     ("--out", str, None, "JSON to write (default: results/serving_<overhead|startup>.json)"),
 ]
@@ -54,8 +57,8 @@ def engine_options(args, k: int) -> dict:
     return opts
 
 
-def offline(args, k: int) -> tuple[float, list[list[int]]]:
-    """Median decode ms per output token, and the prompts (token ids) it used."""
+def offline_engine(args, k: int):
+    """The offline engine, warmed up (its graphs compiled), and the prompts (token ids)."""
     import os
 
     import torch
@@ -66,12 +69,11 @@ def offline(args, k: int) -> tuple[float, list[list[int]]]:
     llm = LLM(**engine_options(args, k))
     prompts = held_out_prompts(llm, args.prompts)
     decode_run(llm, prompts[:1], args.new_tokens)  # warm-up (graphs compile here)
-    per_token = [
-        1000 * decode_run(llm, [p], args.new_tokens)["decode_s"] / (args.new_tokens - 1)
-        for p in prompts
-    ]
-    close(llm)
-    return statistics.median(per_token), prompts
+    return llm, prompts
+
+
+def offline_ms_per_token(llm, prompt: list[int], new_tokens: int) -> float:
+    return 1000 * decode_run(llm, [prompt], new_tokens)["decode_s"] / (new_tokens - 1)
 
 
 def tpot(url: str, prompt: list[int], new_tokens: int) -> float:
@@ -96,13 +98,20 @@ def tpot(url: str, prompt: list[int], new_tokens: int) -> float:
     return 1000 * (last - first) / (tokens - tokens_first)
 
 
-def serving(args, k: int, prompts: list[list[int]]) -> float:
-    opts = engine_options(args, k)
-    flags = [f"--{name}={value}" for name, value in opts.items()]
+def side_by_side(args, k: int) -> tuple[float, float]:
+    """Median offline ms per token and serving TPOT, the two taking turns prompt by prompt."""
+    llm, prompts = offline_engine(args, k)
+    flags = [f"--{name}={value}" for name, value in engine_options(args, k).items()]
+    off, srv = [], []
     with Server(*flags, startup_timeout=900) as s:
         warm_up(s.url)
         tpot(s.url, prompts[0], args.new_tokens)  # warm-up, as offline
-        return statistics.median(tpot(s.url, p, args.new_tokens) for p in prompts)
+        for _ in range(args.rounds):
+            for p in prompts:
+                off.append(offline_ms_per_token(llm, p, args.new_tokens))
+                srv.append(tpot(s.url, p, args.new_tokens))
+    close(llm)
+    return statistics.median(off), statistics.median(srv)
 
 
 def startup(args, prompt: list[int], cache_dir: str) -> dict:
@@ -139,8 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         return result
     rows = []
     for k in args.k:
-        off, prompts = offline(args, k)
-        srv = serving(args, k, prompts)
+        off, srv = side_by_side(args, k)
         rows.append(dict(k=k, offline_ms_per_token=off, serving_tpot_ms=srv, ratio=srv / off))
         print_block(
             f"k={k}{' graph' if args.graph else ''}",
