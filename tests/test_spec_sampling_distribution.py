@@ -26,7 +26,8 @@ comes from the prefill (no draft is involved); positions 1..4 come through verif
 with accepted runs, rejections and bonus tokens all occurring. One setting also runs on
 a 2-process tensor-parallel engine (gloo), and on 2 DP-attention ranks (k = 2, each rank
 its own 1,000 requests, the experts shared; tests/test_dp_attention.py's lockstep loop),
-against the in-process plain samples; the same
+on a shallow random copy of the bundled model (conftest.py), against in-process plain
+samples of it; the same
 comparison in graph mode is in tests/test_graph_mode.py (sharing the engine compiled
 there), with this file's prompt, plain arm and helpers.
 """
@@ -190,21 +191,35 @@ def test_a_cutting_confidence_threshold_keeps_the_distribution(ids, plain, setti
     assert_same_distribution(plain[setting], spec, f"threshold {CUTTING[k]}, k={k}, {setting}")
 
 
-def _rank_sample(ids: list[int], setting: str, k: int, seed: int, parallel):
+# The tensor-parallel and DP-attention runs are on conftest.py's shallow copy of the
+# bundled model (2 decoder layers: what they check holds for any weights, and each runs
+# 2 processes on this machine's 2 cores), against its own plain samples.
+SHALLOW_SETTINGS = ("t1.2-minp0.05", "t1.0")
+
+
+@pytest.fixture(scope="module")
+def shallow_plain(ids, shallow_model):
+    return {s: sample(ids, s, 0, seed=1, model=shallow_model)[0] for s in SHALLOW_SETTINGS}
+
+
+def _rank_sample(model: str, ids: list[int], setting: str, k: int, seed: int, parallel):
     use_parallel_workers(parallel)
-    return sample(ids, setting, k, seed)[0]
+    return sample(ids, setting, k, seed, model=model)[0]
 
 
-def test_tensor_parallel_speculative_sampling_keeps_the_distribution(ids, plain, tmp_path):
+def test_tensor_parallel_speculative_sampling_keeps_the_distribution(
+    ids, shallow_model, shallow_plain, tmp_path
+):
     setting = "t1.2-minp0.05"
-    ranks = run_ranks(1, functools.partial(_rank_sample, ids, setting, 2, 21), tmp_path)
+    work = functools.partial(_rank_sample, shallow_model, ids, setting, 2, 21)
+    ranks = run_ranks(1, work, tmp_path)
     assert ranks[0] == ranks[1]  # one engine: both ranks sampled the same tokens
-    assert_same_distribution(plain[setting], ranks[0], f"TP 2, k=2 vs plain, {setting}")
+    assert_same_distribution(shallow_plain[setting], ranks[0], f"TP 2, k=2 vs plain, {setting}")
 
 
-def _dp_rank_sample(ids: list[int], setting: str, parallel) -> list[list[int]]:
+def _dp_rank_sample(model: str, ids: list[int], setting: str, parallel) -> list[list[int]]:
     use_parallel_workers(parallel)
-    llm = engine(2, seed=30 + parallel.dp_rank)
+    llm = engine(2, seed=30 + parallel.dp_rank, model=model)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **SETTINGS[setting])
     lockstep_generate(llm, {0: ids}, params, parallel)  # fills each rank's prefix cache
     n = SAMPLES // parallel.dp_size
@@ -214,12 +229,15 @@ def _dp_rank_sample(ids: list[int], setting: str, parallel) -> list[list[int]]:
     return [done[i][0] for i in range(n)]
 
 
-def test_dp_attention_speculative_sampling_keeps_the_distribution(ids, plain, tmp_path):
+def test_dp_attention_speculative_sampling_keeps_the_distribution(
+    ids, shallow_model, shallow_plain, tmp_path
+):
     setting = "t1.0"
-    work = functools.partial(_dp_rank_sample, ids, setting)
+    work = functools.partial(_dp_rank_sample, shallow_model, ids, setting)
     ranks = run_ranks(2, work, tmp_path, world=2, dp_attention=True)
     assert ranks[0] != ranks[1]  # two ranks, two generators
-    assert_same_distribution(plain[setting], ranks[0] + ranks[1], f"DP attention, k=2, {setting}")
+    spec = ranks[0] + ranks[1]
+    assert_same_distribution(shallow_plain[setting], spec, f"DP attention, k=2, {setting}")
 
 
 def test_speculative_sampling_with_a_hot_vocabulary_keeps_the_distribution(ids, plain):
