@@ -6,10 +6,10 @@
 #      each JSON written again after every row, so a report cut off keeps what it measured).
 # Each part runs under its own time limit, so the whole fits about 9 minutes on an H100 or
 # H200 (GPU_TESTS_S, GPU_EAGER_S, GPU_GRAPH_S override them; GPU_REPORT_ARGS adds flags to
-# both reports). The Python used is $GPU_PY
-# (python3: on a GPU machine the one with a CUDA build of torch). Packages it lacks and the
-# daemon needs can come as wheels in .whl/ (`make gpu-wheels`, on a machine with pip's
-# registry): they are installed into a folder of their own, put first on the path.
+# both reports). The Python used is $GPU_PY (python3: on a GPU machine the one with a CUDA
+# build of torch). Packages it lacks and the daemon needs can come as wheels in .whl/
+# (`make gpu-wheels`, on a machine with pip's registry): they are installed into a folder
+# of their own, put first on the path.
 set -u
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
 py=${GPU_PY:-python3}

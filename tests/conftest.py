@@ -79,6 +79,12 @@ SHALLOW_LAYERS = 2  # one dense decoder layer and one MoE layer
 SHALLOW_HEAD_SCALE = 4.0
 
 
+def copy_bundled_tokenizer(path) -> None:
+    """The bundled model's tokenizer and generation config, into checkpoint dir `path`."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(BUNDLED_MODEL_DIR / name, path / name)
+
+
 def make_shallow_model(path) -> str:
     """A random checkpoint at `path` of the bundled model's shapes (vocabulary, attention,
     experts, one MTP layer) with SHALLOW_LAYERS decoder layers instead of 8, its heads
@@ -92,8 +98,7 @@ def make_shallow_model(path) -> str:
         if name == "lm_head.weight" or name.endswith("shared_head.head.weight"):
             weights[name] *= SHALLOW_HEAD_SCALE
     safetensors.torch.save_file(weights, path / "model.safetensors", {"format": "pt"})
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copyfile(BUNDLED_MODEL_DIR / name, path / name)
+    copy_bundled_tokenizer(path)
     return str(path)
 
 

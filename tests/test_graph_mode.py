@@ -202,8 +202,13 @@ def test_graph_mode_flags_are_checked():
 def test_graph_mode_on_cuda_gives_eager_tokens(shallow_model, prompts, k):
     """The same graphs (Inductor) on a CUDA device: eager's tokens, logprobs within 1e-4
     (GPU kernels round differently from one another)."""
-    opts = dict(OPTIONS, model=shallow_model, device="cuda:0", num_speculative_tokens=k)
-    opts |= dict(max_cache_size=2**30)
+    opts = dict(
+        OPTIONS,
+        model=shallow_model,
+        device="cuda:0",
+        num_speculative_tokens=k,
+        max_cache_size=2**30,
+    )
     eager_tokens, eager_logprobs = decode(LLM(**opts), prompts)
     tokens, logprobs = decode(LLM(enable_graph=True, graph_batch_sizes=[4], **opts), prompts)
     assert tokens == eager_tokens

@@ -193,10 +193,9 @@ def test_sweep_with_llama_cpp_as_peer(tmp_path):
 def mla_checkpoint(path: Path) -> Path:
     """A random checkpoint of DeepSeek-V3's attention geometry (vLLM's CPU MLA takes only
     kv_lora_rank 512 + qk_rope_head_dim 64) with one MTP layer and the bundled tokenizer."""
-    import shutil
-
     import torch
 
+    from tests.conftest import copy_bundled_tokenizer
     from tools.make_random_checkpoint import make_random_checkpoint
 
     dims = dict(vocab_size=8208, hidden_size=512, intermediate_size=1024,
@@ -205,8 +204,7 @@ def mla_checkpoint(path: Path) -> Path:
                 qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=4,
                 n_group=4, topk_group=2, max_position_embeddings=2048)  # fmt: skip
     make_random_checkpoint(path, dims, num_mtp=1, dtype=torch.bfloat16)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copyfile(Path(bundled_model()) / name, path / name)
+    copy_bundled_tokenizer(path)
     return path
 
 

@@ -29,7 +29,7 @@ its own 1,000 requests, the experts shared; tests/test_dp_attention.py's lockste
 on a shallow random copy of the bundled model (conftest.py), against in-process plain
 samples of it; the same
 comparison in graph mode is in tests/test_graph_mode.py (sharing the engine compiled
-there), with this file's prompt, plain arm and helpers.
+there), with this file's prompt and helpers.
 """
 
 from __future__ import annotations
