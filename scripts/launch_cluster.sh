@@ -213,9 +213,13 @@ log_name() {  # log_name IDX: node IDX's log, "HOST:PATH" for one on another hos
   if [[ -z "${PID_HOST[$1]}" ]]; then log_of "$1"; else echo "${PID_HOST[$1]}:$(log_of "$1")"; fi
 }
 
-tail_log() {  # tail_log IDX: the last lines of node IDX's log
-  if [[ -z "${PID_HOST[$1]}" ]]; then tail -n 20 "$(log_of "$1")" || true
-  else on_host "${PID_HOST[$1]}" "tail -n 20 $(q "$(log_of "$1")")" || true
+# Triton's bindings list the objects they never freed when a process exits (the
+# "nanobind: leaked ..." report, some forty lines); it would push the cause off the tail.
+EXIT_NOISE='^nanobind: |^ *- leaked |^ *- \.\.\. skipped remainder|^See https://nanobind'
+
+tail_log() {  # tail_log IDX: the last lines of node IDX's log, without the exit noise
+  if [[ -z "${PID_HOST[$1]}" ]]; then grep -Ev "$EXIT_NOISE" "$(log_of "$1")" | tail -n 20 || true
+  else on_host "${PID_HOST[$1]}" "grep -Ev $(q "$EXIT_NOISE") $(q "$(log_of "$1")") | tail -n 20" || true
   fi
 }
 

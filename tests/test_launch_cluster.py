@@ -11,7 +11,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from tests.server_utils import HTTP, free_port, free_port_range
+from tests.server_utils import HTTP, free_port_range
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "launch_cluster.sh"
@@ -28,12 +28,20 @@ def alive(pid: int) -> bool:
     return True
 
 
+def two_node_ports() -> tuple[int, str]:
+    """START_PORT for two nodes (node i listens on START_PORT + i) and a MASTER_NODE_ADDR
+    on START_PORT + 2, whose port + 1 holds torch.distributed's rendezvous: four ports that
+    were all free together (two picked apart could overlap, or the rendezvous be taken)."""
+    port = free_port_range(4)
+    return port, f"127.0.0.1:{port + 2}"
+
+
 def test_launch_serve_and_stop(tmp_path):
-    port = free_port_range(2)  # node i listens on START_PORT + i
+    port, master_addr = two_node_ports()
     env = os.environ | {
         "LOG_DIR": str(tmp_path / "log"),
         "START_PORT": str(port),
-        "MASTER_NODE_ADDR": f"127.0.0.1:{free_port()}",
+        "MASTER_NODE_ADDR": master_addr,
         "HEALTH_TIMEOUT": "240",
         "EXTRA_ARGS": SMALL_CACHE,
     }
@@ -64,6 +72,40 @@ def test_launch_serve_and_stop(tmp_path):
     assert down.returncode == 0, down.stdout + down.stderr
     assert not any(alive(p) for p in pids)
     assert not (tmp_path / "log" / "cluster.pids").exists()
+
+
+# A node that dies during start-up; as a process that loaded Triton, it then prints the
+# report of the objects its bindings never freed.
+FAILING_NODE = """#!/usr/bin/env bash
+echo "ValueError: --max_cache_size='lots' is not a number of bytes" >&2
+echo "nanobind: leaked 3 instances!" >&2
+for i in $(seq 30); do echo " - leaked type \\"ATOMIC_OP_$i\\"" >&2; done
+echo " - ... skipped remainder" >&2
+echo "nanobind: this is likely caused by a reference counting issue in the binding code." >&2
+echo "See https://nanobind.readthedocs.io/en/latest/refleaks.html" >&2
+exit 1
+"""
+
+
+def test_a_node_that_dies_at_start_up_is_named_with_its_error(tmp_path):
+    """The launcher fails, names the node and shows the end of its log without the exit
+    report, so the error that stopped it is on screen."""
+    python = tmp_path / "python"
+    python.write_text(FAILING_NODE)
+    python.chmod(0o755)
+    port, master_addr = two_node_ports()
+    env = os.environ | {
+        "PYTHON": str(python),
+        "LOG_DIR": str(tmp_path / "log"),
+        "START_PORT": str(port),
+        "MASTER_NODE_ADDR": master_addr,
+    }
+    r = run_script(env)
+    assert r.returncode != 0
+    assert "exited during start-up" in r.stderr
+    assert "--max_cache_size='lots' is not a number of bytes" in r.stderr
+    assert "leaked" not in r.stderr and "nanobind" not in r.stderr
+    assert "leaked type" in (tmp_path / "log" / "node_0.log").read_text()  # the log keeps it
 
 
 # ---- several hosts: HOSTS / HOSTFILE, nodes started with $SSH ----------------------------
@@ -189,8 +231,7 @@ def test_launch_across_two_hosts(tmp_path):
     """Two 'hosts' on loopback (127.0.0.1 and 127.0.0.2), reached through a stub ssh that
     runs the command here: one ssh call per host, the worker serves on 127.0.0.2."""
     stub, calls = stub_ssh(tmp_path)
-    port = free_port_range(2)
-    master_addr = f"127.0.0.1:{free_port()}"
+    port, master_addr = two_node_ports()
     log = tmp_path / "log"
     env = os.environ | {
         "HOSTS": "127.0.0.1:1,127.0.0.2:1",
