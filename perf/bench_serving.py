@@ -197,7 +197,7 @@ async def fetch_spec_counters(client: httpx.AsyncClient, base_url: str) -> SpecC
     return parse_spec_counters(resp.text) if resp.status_code == 200 else None
 
 
-def _first_exchange(turns: list[tuple[str, str]]) -> tuple[int, str, str] | None:
+def _first_exchange(turns: Sequence[tuple[str, str]]) -> tuple[int, str, str] | None:
     """(index, text) of the first user turn, and the first assistant turn's text after it."""
     for i, (role, text) in enumerate(turns):
         if role == "user":
@@ -246,7 +246,7 @@ def fit_to_length(
 
 
 def _padding_texts(
-    rest: list[tuple[str, str]], convs: list[list[tuple[str, str]]], start: int
+    rest: Sequence[tuple[str, str]], convs: Sequence[Sequence[tuple[str, str]]], start: int
 ) -> Iterator[str]:
     """Text to extend a prompt with: the rest of its conversation, then the following
     conversations (cyclically), turn by turn, each after a blank line."""
@@ -268,9 +268,9 @@ def sample_sharegpt(
     output_len: int | None = None,
 ) -> list[SampleRequest]:
     """vLLM's ShareGPT sampling (the module docstring), with optional fixed lengths."""
-    from xllm_py.sharegpt import iter_conversations, turns
+    from xllm_py.sharegpt import exchanges
 
-    convs = [t for t in map(turns, iter_conversations(dataset_path)) if len(t) >= 2]
+    convs = list(exchanges(dataset_path))
     rng = random.Random(seed)
     rng.shuffle(convs)
     picked: list[SampleRequest] = []

@@ -84,8 +84,11 @@ def test_sweep_through_a_launcher(tmp_path):
             "--output-len", "4",
             "--port", str(port),
             # every step drafts: the acceptance length below needs drafts verified, which
-            # --speculative_confidence=auto need not do on a loaded machine
-            "--launch", f"{env} {master} 'EXTRA_ARGS=--dtype=float32 --speculative_confidence=off'"
+            # --speculative_confidence=auto need not do on a loaded machine; eager, and a
+            # small KV cache: one node would otherwise compile its graphs in the background
+            # (minutes of both cores) and zero a cache for 256 full-length requests
+            "--launch", f"{env} {master} 'EXTRA_ARGS=--dtype=float32 --speculative_confidence=off"
+                        " --enable_graph=false --max_cache_size=16000000'"
                         " bash scripts/launch_cluster.sh",
             "--launch-stop", f"env LOG_DIR={log_dir} bash scripts/launch_cluster.sh stop",
             "--result-dir", str(tmp_path / "out"),

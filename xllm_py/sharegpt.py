@@ -8,6 +8,7 @@ truncated tail, yielding the ~17,600 complete conversations.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from typing import IO
@@ -68,6 +69,15 @@ def turns(conv: dict) -> list[tuple[str, str]]:
         if role and isinstance(t.get("value"), str):
             out.append((role, t["value"]))
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def exchanges(path: str | None = None) -> tuple[tuple[tuple[str, str], ...], ...]:
+    """The turns (`turns`) of every conversation that has at least two, read once per
+    process for the last path asked (parsing the file takes over a second; a benchmark
+    sweep samples prompts for every method and round). Tuples: callers share them."""
+    convs = (tuple(turns(c)) for c in iter_conversations(path))
+    return tuple(t for t in convs if len(t) >= 2)
 
 
 def held_out_user_turns(n: int, min_chars: int, max_chars: int) -> list[str]:
