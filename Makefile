@@ -29,7 +29,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Two pytest-xdist workers, a test file each at a time (module-scoped servers are started
-# once); PYTEST_WORKERS=0 runs the suite in this process, one test after another.
+# once), the longest files first (tests/conftest.py orders them; xdist would put the files
+# with the most tests first instead); PYTEST_WORKERS=0 runs the suite in this process.
 PYTEST_WORKERS ?= 2
 # The tests marked `slow` (graph exactness at scale; 2-rank TP, DP attention and the two-node
 # cluster in graph mode: about 40 minutes) are left out: `make test-slow`.
@@ -38,7 +39,7 @@ PYTEST_WORKERS ?= 2
 # and where PYTHONDONTWRITEBYTECODE is set each would compile them from source again.
 test: setup
 	$(VPY) -m compileall -q xllm_py tests perf tools
-	TRITON_INTERPRET=1 $(VPY) -m pytest tests -m "not slow" $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+	TRITON_INTERPRET=1 $(VPY) -m pytest tests -m "not slow" $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test-slow: setup
 	$(VPY) -m pytest -m slow tests

@@ -116,37 +116,37 @@ def vocab_size():
 
 
 # The suite runs on two pytest-xdist workers a file at a time (`make test`); files go to
-# whichever worker is free, in collection order. The longest files start first so that
-# both workers finish together (a long file taken last would run alone at the end).
+# whichever worker is free, in collection order (the Makefile's --no-loadscope-reorder:
+# xdist's default order puts the files with the most tests first, which left the fuzz, DP
+# attention and training files, two or three tests of a minute or more, to the end). The
+# longest files start first so that both workers finish together.
 LONGEST_FILES = [  # by their seconds in a CI run (--durations=0), most first
     "test_spec_sampling_distribution.py",
     "test_cluster.py",
     "test_graph_mode.py",
     "test_fuzz.py",
     "test_clients.py",
-    "test_spec_sharegpt.py",
-    "test_dp_attention.py",
     "test_structured_outputs.py",
-    "test_mtp_sweep.py",
+    "test_spec_sharegpt.py",
     "test_train_tool.py",
+    "test_dp_attention.py",
     "test_ray_launch.py",
     "test_grammar_limits.py",
     "test_plan.py",
     "test_kernel_backends.py",
-    "test_soak.py",
-    "test_checkpoints.py",
     "test_tool_parsers_v31_kimi.py",
-    "test_dsml_parser.py",
     "test_api_server.py",
+    "test_soak.py",
+    "test_dsml_parser.py",
+    "test_mtp_sweep.py",
+    "test_checkpoints.py",
     "test_responses_api.py",
-    "test_cluster_security.py",
-    "test_stream_backpressure.py",
-    "test_tool_calls.py",
-    "test_messages_api.py",
     "test_api_fields.py",
+    "test_messages_api.py",
+    "test_cluster_security.py",
+    "test_tool_calls.py",
     "test_train_mtp_head.py",
-    "test_api_consistency.py",
-    "test_tensor_parallel.py",
+    "test_fault_isolation.py",
 ]
 
 
