@@ -26,6 +26,11 @@ $(STAMP): pyproject.toml
 	fi
 	$(VPY) -m pip install -q --no-compile -e ".[dev]"
 	$(VPY) -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
+	# Mooncake's transfer engine (the PD data plane) links against rdma-core; where the
+	# system lacks it, Debian's libraries are unpacked into the venv (no root needed)
+	if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 && command -v apt-get >/dev/null; then \
+	    bash scripts/fetch_rdma_libs.sh $(VENV)/lib/rdma || echo "no rdma-core: the PD tests are skipped"; \
+	fi
 	touch $(STAMP)
 
 # Two pytest-xdist workers, a test file each at a time (module-scoped servers are started

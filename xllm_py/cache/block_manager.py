@@ -68,11 +68,7 @@ class BlockManager:
     # ---- prefix cache -------------------------------------------------------------------------
 
     def _update_hashes(self, req: SequenceBlocks) -> None:
-        bs = self.block_size
-        tokens = req.all_token_ids
-        for i in range(len(req.block_hashes), len(tokens) // bs):
-            parent = req.block_hashes[i - 1] if i else 0
-            req.block_hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+        extend_hashes(req.block_hashes, req.all_token_ids, self.block_size)
 
     def find_cached_prefix(self, req: SequenceBlocks) -> list[int]:
         """Leading full blocks of `req` already in the cache. At least one token is left
@@ -101,6 +97,46 @@ class BlockManager:
                 self._cached[h] = bid
                 self.block_hash[bid] = h
         req.num_cached_blocks = max(req.num_cached_blocks, n_full)
+
+    # ---- a prompt's blocks computed elsewhere (prefill/decode disaggregation, xllm_py/pd) ---
+
+    def prompt_hashes(self, prompt: list[int]) -> list[int]:
+        """The prefix hashes of the prompt's blocks that a prefix-cache hit can cover: the
+        full blocks before its last token (find_cached_prefix's limit)."""
+        return extend_hashes([], prompt[: (len(prompt) - 1) // self.block_size * self.block_size],
+                             self.block_size)  # fmt: skip
+
+    def cached_blocks(self, hashes: list[int]) -> list[int] | None:
+        """The blocks cached under `hashes`, or None if any of them is not (evicted)."""
+        found = [self._cached.get(h) for h in hashes]
+        return None if None in found else found
+
+    def reserve_prefix(self, hashes: list[int]) -> PrefixImport | None:
+        """Free blocks to receive the KV of the prompt blocks `hashes` that are not cached
+        here already, held (no request owns them, nothing finds them) until
+        `commit_prefix` or `abort_prefix`. None, changing nothing, if they do not fit."""
+        missing = [i for i, h in enumerate(hashes) if h not in self._cached]
+        if len(missing) > len(self._free):
+            return None
+        return PrefixImport([hashes[i] for i in missing], [self._take_free() for _ in missing])
+
+    def commit_prefix(self, imp: PrefixImport) -> None:
+        """The blocks hold their KV now: cache them under their hashes, then let them go
+        (free, and findable: the request that needs them takes them as prefix-cache hits)."""
+        for h, bid in zip(imp.hashes, imp.block_ids):
+            if h not in self._cached:
+                self._cached[h] = bid
+                self.block_hash[bid] = h
+        self.abort_prefix(imp)
+
+    def abort_prefix(self, imp: PrefixImport) -> None:
+        """Let the held blocks go; uncommitted ones come back unhashed (the transfer failed)."""
+        for bid in imp.block_ids:
+            self.ref_count[bid] -= 1
+            self._free[bid] = None
+            if self.block_hash[bid] is None:
+                self._free.move_to_end(bid, last=False)
+        imp.block_ids = []
 
     # ---- allocation ---------------------------------------------------------------------------
 
@@ -150,6 +186,24 @@ class BlockManager:
                     self._free.move_to_end(bid, last=False)
         req.block_ids = []
         req.num_cached_blocks = 0
+
+
+class PrefixImport:
+    """Blocks reserved to receive a prompt's KV (`BlockManager.reserve_prefix`): the
+    prefix hashes not cached yet and, in the same order, the blocks that will hold them."""
+
+    def __init__(self, hashes: list[int], block_ids: list[int]) -> None:
+        self.hashes = hashes
+        self.block_ids = block_ids
+
+
+def extend_hashes(hashes: list[int], tokens: list[int], block_size: int) -> list[int]:
+    """Append to `hashes` the chained prefix hash of every further full block of `tokens`:
+    `h_i = hash((h_{i-1}, tokens of block i))`, equal across processes (ints only)."""
+    for i in range(len(hashes), len(tokens) // block_size):
+        parent = hashes[i - 1] if i else 0
+        hashes.append(hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size]))))
+    return hashes
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -1,0 +1,65 @@
+"""What a prefill and a decode instance must share before KV blocks move between them.
+
+Both build a `CompatRecord` from their engine config and compare it with the peer's at
+their first meeting. Any difference would make the copied blocks wrong in silence (another
+layout, block size, dtype or model), so the first differing field is named and the pair is
+refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import msgspec
+
+from xllm_py.config import EngineConfig
+
+
+class CompatRecord(msgspec.Struct, frozen=True):
+    """Compared field by field, in this order (the layout, which the others mostly decide,
+    last)."""
+
+    model: str  # architecture and a digest of the model config (its path left out)
+    dtype: str
+    block_size: int
+    speculative: str  # "mtp" or "none" (k may differ: it changes no cache block)
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    index_head_dim: int  # DeepSeek-V3.2's indexer keys (0: none)
+    cache_dims: tuple[int, ...]  # each cache tensor's width per token: the KV layout
+
+
+def model_identity(config: EngineConfig) -> str:
+    fields = dataclasses.asdict(config.model)
+    fields.pop("path", None)
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode())
+    return f"{config.model.architecture}:{digest.hexdigest()[:16]}"
+
+
+def compat_record(config: EngineConfig, dtype: str, cache_dims: list[int]) -> CompatRecord:
+    """This instance's record: `dtype` and `cache_dims` as its worker resolved them (the
+    worker's dtype and `cache_dims`)."""
+    m, k = config.model, config.spec.num_speculative_tokens
+    return CompatRecord(
+        model=model_identity(config),
+        dtype=dtype,
+        block_size=config.cache.block_size,
+        speculative="mtp" if k else "none",
+        kv_lora_rank=m.kv_lora_rank,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        index_head_dim=m.index_head_dim if m.index_topk else 0,
+        cache_dims=tuple(cache_dims),
+    )
+
+
+def mismatch(ours: CompatRecord, theirs: CompatRecord) -> str | None:
+    """None when KV blocks can move between the two instances, else the first differing
+    field with both values. A decode instance drafting with MTP reads the MTP layer's cache
+    blocks of the prompt too, so the prefill side must run MTP as well."""
+    for name in CompatRecord.__struct_fields__:
+        a, b = getattr(ours, name), getattr(theirs, name)
+        if a != b:
+            return f"{name}: this instance has {a!r}, the peer {b!r}"
+    return None
