@@ -43,6 +43,7 @@ GROUPS = {  # concern -> heading of its flags in --help, in this order
     "server": "HTTP server",
     "structured": "structured outputs, reasoning and tool calls",
     "cluster": "cluster (one process per device; node 0 serves HTTP, nodes 1..N-1 only a worker)",
+    "pd": "prefill/decode disaggregation (in progress: docs/pd.md)",
     "security": "secrets and TLS (prefer the environment or files: `ps` shows a command line)",
     "logging": "logging and test hooks",
 }
@@ -326,6 +327,19 @@ class EngineArgs:
         "on every rank: joining the process groups, and a collective waiting for a rank (graph "
         "compilation included)", offline=False)  # fmt: skip
 
+    # ---- prefill/decode disaggregation (docs/pd.md)
+    pd_role: str = option("both", "pd", "both = prefill and decode (no disaggregation); "
+        "prefill = compute prompts for decode instances and write their KV blocks into them "
+        "(Mooncake's transfer engine); decode = have each prompt's full blocks prefilled by "
+        "--pd_prefill", choices=["both", "prefill", "decode"], offline=False)  # fmt: skip
+    pd_prefill: list[str] = option([], "pd", "with --pd_role=decode: the prefill instances' "
+        "URLs (http://host:port), used in turn", nargs="+", offline=False)  # fmt: skip
+    pd_transfer_host: str = option("127.0.0.1", "pd", "the address this instance's transfer "
+        "engine listens on: a trusted-network data plane, as NCCL's is", offline=False)  # fmt: skip
+    pd_transfer_timeout: float = option(30.0, "pd", "seconds a decode instance waits for one "
+        "prompt's blocks; a transfer that fails or takes longer is recomputed here",
+        offline=False)  # fmt: skip
+
     # ---- secrets and TLS
     api_key: str | None = option(None, "security", "if set, /v1/* requires 'Authorization: "
         "Bearer KEY'; prefer the environment variable XLLM_API_KEY, read when the flag is not "
@@ -433,6 +447,7 @@ class EngineArgs:
             DeviceConfig,
             EngineConfig,
             ModelConfig,
+            PDConfig,
             SchedulerConfig,
         )
 
@@ -465,6 +480,12 @@ class EngineArgs:
                 moe_backend=self.moe_backend,
             ),
             spec=self._spec_config(),
+            pd=PDConfig(
+                role=self.pd_role,
+                prefill_urls=tuple(self.pd_prefill),
+                transfer_host=self.pd_transfer_host,
+                transfer_timeout=self.pd_transfer_timeout,
+            ),
         )
         return config
 
@@ -570,7 +591,7 @@ def _flag_kwargs(f: dataclasses.Field, hint: Any, registry: list[str] | None) ->
     if base is bool:
         kw.update(type=parse_bool, nargs="?", const=True, metavar="BOOL")
     elif base is list:
-        kw.update(type=int, nargs=meta["nargs"])
+        kw.update(type=typing.get_args(hint)[0], nargs=meta["nargs"])
     else:
         kw["type"] = base
     if "choices" in meta:

@@ -788,6 +788,33 @@ class DeviceConfig:
         return "float32" if self.device.startswith("cpu") else "bfloat16"
 
 
+PD_ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PDConfig:
+    """Prefill/decode disaggregation (xllm_py/pd, docs/pd.md): "both" prefills and decodes
+    (no PD); "prefill" computes prompts for decode instances and writes their KV blocks
+    into them; "decode" has its prompts' full blocks prefilled by `prefill_urls`."""
+
+    role: str = "both"
+    prefill_urls: tuple[str, ...] = ()
+    transfer_host: str = "127.0.0.1"  # where this instance's transfer engine listens
+    transfer_timeout: float = 30.0  # seconds a decode instance waits for one prompt's blocks
+    token: str | None = None  # the cluster token the PD control plane carries
+
+    def __post_init__(self) -> None:
+        if self.role not in PD_ROLES:
+            raise ValueError(f"pd_role={self.role!r} must be one of {PD_ROLES}")
+        if self.role == "decode" and not self.prefill_urls:
+            raise ValueError("pd_role='decode' needs --pd_prefill: the prefill instances' URLs")
+        if self.transfer_timeout <= 0:
+            raise ValueError(f"pd_transfer_timeout={self.transfer_timeout} must be > 0")
+
+    def __repr__(self) -> str:  # the token is a secret
+        return f"PDConfig(role={self.role!r}, prefill_urls={self.prefill_urls!r})"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -795,6 +822,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: DeviceConfig
     spec: SpecConfig = field(default_factory=SpecConfig)
+    pd: PDConfig = field(default_factory=PDConfig)
 
     @property
     def max_model_len(self) -> int:
@@ -822,6 +850,11 @@ class EngineConfig:
             )
         if self.model.is_v4:
             self._check_v4()
+        if self.pd.role != "both" and not self.cache.enable_prefix_cache:
+            raise ValueError(
+                f"pd_role={self.pd.role!r} needs the prefix cache (--enable_prefix_cache): "
+                "moved blocks are found by their prefix hashes"
+            )
         if self.cache.num_lookahead_tokens != k:  # k draft slots reserved ahead of each request
             object.__setattr__(self, "cache", replace(self.cache, num_lookahead_tokens=k))
         if self.scheduler.max_model_len > self.model.max_position_embeddings:

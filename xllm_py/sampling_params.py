@@ -25,6 +25,21 @@ class StructuredOutput:
             )
 
 
+@dataclass(frozen=True)
+class KVPush:
+    """Prefill/decode disaggregation (xllm_py/pd): where a prefill instance writes the
+    prompt's full blocks once it has computed them. Set by the PD prefill route only, never
+    from a request body: the decode instance's transfer session, its cache tensors'
+    addresses, the blocks it reserved and their prefix hashes, and its compatibility record
+    (CompatRecord's fields)."""
+
+    session_id: str
+    addresses: list[int]
+    block_ids: list[int]
+    hashes: list[int]
+    record: dict
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -52,6 +67,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    kv_push: KVPush | None = None  # internal: the PD prefill route's (KVPush)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -165,7 +165,7 @@ def node_env(args, rank: int, token: str) -> dict[str, str]:
     """Node `rank`'s environment additions: the cluster token, and on node 0 (the HTTP
     server) the API key. Ray hands them to the actor as call arguments, never on a
     command line."""
-    from xllm_py.cluster.security import TOKEN_ENV
+    from xllm_py.tokens import TOKEN_ENV
 
     env = {"PYTHONUNBUFFERED": "1", TOKEN_ENV: token}
     if rank == 0:
@@ -176,7 +176,7 @@ def node_env(args, rank: int, token: str) -> dict[str, str]:
 def cluster_token(args) -> str:
     """The token of every node: the launcher's (--cluster_token_file, --cluster_token,
     XLLM_CLUSTER_TOKEN), else a new random one for this launch."""
-    from xllm_py.cluster.security import read_token
+    from xllm_py.tokens import read_token
 
     return read_token(args.cluster_token, args.cluster_token_file) or secrets.token_hex(32)
 

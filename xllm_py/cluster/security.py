@@ -27,18 +27,16 @@ from __future__ import annotations
 import collections
 import hmac
 import logging
-import os
-import stat
 from concurrent import futures
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
+
+from xllm_py.tokens import read_file, read_token
 
 logger = logging.getLogger(__name__)
 TOKEN_KEY = "x-xllm-cluster-token"  # gRPC metadata keys are lower case
 SESSION_KEY = "x-xllm-session"
-TOKEN_ENV = "XLLM_CLUSTER_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -210,24 +208,6 @@ def load_security(token=None, token_file=None, cert=None, key=None, ca=None) -> 
     return ClusterSecurity(read_token(token, token_file), read_tls(cert, key, ca))
 
 
-def read_token(token: str | None, token_file: str | None) -> str | None:
-    if token_file is not None:
-        where = f"--cluster_token_file={token_file}"
-        token = _read("cluster_token_file", token_file).decode("utf-8", "replace").strip()
-        _warn_if_others_read(token_file)
-    elif token is not None:
-        where = "--cluster_token"
-    else:
-        where, token = TOKEN_ENV, os.environ.get(TOKEN_ENV)
-        if token is None:
-            return None
-    if not token:
-        raise ValueError(f"{where}: the token is empty")
-    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
-        raise ValueError(f"{where}: the token must be printable ASCII without spaces")
-    return token
-
-
 def read_tls(cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:
     if cert is None:
         return None
@@ -238,28 +218,11 @@ def read_tls(cert: str | None, key: str | None, ca: str | None) -> TlsFiles | No
     )
 
 
-def _read(flag: str, path: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise ValueError(f"--{flag}={path}: cannot read it ({e.strerror or e})") from None
-
-
 def _pem(flag: str, path: str, marker: str) -> bytes:
-    data = _read(flag, path)
+    data = read_file(flag, path)
     if marker.encode() not in data:
         raise ValueError(f"--{flag}={path}: not a PEM file with a '-----BEGIN ...{marker}'")
     return data
-
-
-def _warn_if_others_read(path: str) -> None:
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-    if mode & 0o004:  # group-readable is fine (Kubernetes' fsGroup, a service's group)
-        logger.warning(
-            "--cluster_token_file=%s is readable by every user (mode %04o); chmod 600 it",
-            path,
-            mode,
-        )
 
 
 def warn_if_open(security: ClusterSecurity, role: str) -> None:

@@ -70,6 +70,7 @@ class EngineCore(EngineCoreClient):
             else None,
             _confidence_policy(config.spec),
         )
+        self.pd = _pd_side(config, executor)
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ValueError naming the field if this request can never be served."""
@@ -96,9 +97,17 @@ class EngineCore(EngineCoreClient):
             self.config.model.eos_token_ids,
             self.config.max_model_len,
         )
+        if sampling.kv_push is not None and self.config.pd.role == "prefill":
+            self.pd.pushes[req_id] = sampling.kv_push
+        elif self.config.pd.role == "decode" and self.pd.admit(self.blocks, req):
+            return  # scheduled once its prompt's blocks arrived (or failed to)
         self.scheduler.add_request(req)
 
     def finish_request(self, req_id: str, reason: str = "abort") -> None:
+        if self.config.pd.role == "decode" and self.pd.cancel(req_id):
+            return
+        if self.config.pd.role == "prefill":
+            self.pd.pushes.pop(req_id, None)
         self.scheduler.finish_request(req_id, reason)
 
     @property
@@ -107,14 +116,20 @@ class EngineCore(EngineCoreClient):
         return self.scheduler.requests
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        waiting = self.config.pd.role == "decode" and bool(self.pd.waiting)
+        return waiting or self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.config.pd.role == "decode":
+            for req in self.pd.settled(self.blocks):
+                self.scheduler.add_request(req)
         sched = self.scheduler.schedule()
         if not sched.num_scheduled_tokens and not sched.finished_req_ids:
             self._timed = None  # idle: the time until the next step is not a step's
             if self.lockstep:
                 self.executor.execute(sched)
+            if self.config.pd.role == "decode":
+                self.pd.wait(PD_POLL_S)  # only transfers to wait for: not a busy loop
             return []
         # Adaptive speculation times whole steps, start to next start: the executor's part
         # and what the engine does around it (scheduling, outputs, detokenising, streaming),
@@ -125,15 +140,45 @@ class EngineCore(EngineCoreClient):
         self._timed = (sched, now) if sched.num_scheduled_tokens else None
         result = self.executor.execute(sched)
         outputs = self.scheduler.update(sched, result)
+        if self.config.pd.role == "prefill" and self.pd.pushes:
+            self._push_finished(outputs)
         if not self.scheduler.has_unfinished():
             self._timed = None  # the next step starts after an idle wait: not this step's
         return outputs
+
+    def _push_finished(self, outputs: list[EngineCoreOutput]) -> None:
+        """PD prefill: write each finished request's prompt blocks to its decode instance;
+        a request whose blocks did not arrive ends as "abort", why in its stop_reason."""
+        for out in outputs:
+            push = self.pd.pushes.pop(out.req_id, None) if out.finish_reason else None
+            if push is not None and (why := self.pd.push(self.blocks, push)) is not None:
+                out.finish_reason, out.stop_reason = "abort", why
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     def shutdown(self, reason: str = "shutting down", failure: bool = False) -> None:
+        if self.pd is not None:
+            self.pd.close()
         self.executor.shutdown(reason, failure)
+
+
+PD_POLL_S = 0.005  # how long an idle PD decode core waits for a transfer before it looks again
+
+
+def _pd_side(config: EngineConfig, executor: Executor):
+    """The PD role's part of the core (xllm_py/pd/roles.py), or None (role "both")."""
+    if config.pd.role == "both":
+        return None
+    if not isinstance(executor, InProcExecutor):
+        raise ValueError(
+            f"pd_role={config.pd.role!r} on a cluster (--nnodes, --dp_size) is not implemented "
+            "yet: one process per instance"
+        )
+    from xllm_py.pd.roles import DecodeSide, PrefillSide  # Mooncake: loaded only when used
+
+    side = PrefillSide if config.pd.role == "prefill" else DecodeSide
+    return side(config, executor.worker)
 
 
 def _confidence_policy(spec) -> ConfidencePolicy | None:

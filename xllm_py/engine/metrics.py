@@ -66,11 +66,11 @@ class _StatsCollector(Collector):
             st.num_preemptions,
         )  # fmt: skip
         yield counter(
-            "xllm:prefix_cache_queries", "Prompt blocks looked up in the prefix cache.",
+            "xllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
             st.prefix_cache_queries,
         )  # fmt: skip
         yield counter(
-            "xllm:prefix_cache_hits", "Prompt blocks found in the prefix cache.",
+            "xllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (in full blocks).",
             st.prefix_cache_hits,
         )  # fmt: skip
         spec = st.spec

@@ -117,11 +117,11 @@ def build_server(a: EngineArgs) -> tuple[DrainingServer, object]:
     from xllm_py.engine.llm_engine import LLMEngine
     from xllm_py.engine.metrics import ServerMetrics
     from xllm_py.entrypoints.api_server import build_app
+    from xllm_py.pd import route as pd_route
 
     ProcessOptions.from_args(a, threads=not a.engine_core_process).apply()
-    config = a.engine_config()
-    model = config.model.path
-    name = a.served_model_name or os.path.basename(os.path.normpath(str(model)))
+    config = pd_route.with_token(a.engine_config(), a)
+    name = a.served_model_name or os.path.basename(os.path.normpath(str(config.model.path)))
     worker_drains: list[str] = []
     if a.engine_core_process:
         core = start_core_process(a, config, worker_drains.append)
@@ -131,6 +131,7 @@ def build_server(a: EngineArgs) -> tuple[DrainingServer, object]:
     metrics = ServerMetrics(name)
     metrics.attach(engine)
     app = build_app(engine, server_options(a, name), metrics)
+    pd_route.attach(app, engine, config.pd)
     server = DrainingServer(
         uvicorn.Config(
             app,
@@ -146,10 +147,9 @@ def build_server(a: EngineArgs) -> tuple[DrainingServer, object]:
         worker_drains,
     )
     engine.on_failure = server.exit_after_failure
-    spec = f", MTP k={a.num_speculative_tokens}" if a.num_speculative_tokens else ""
-    if a.speculative_adaptive:
-        spec = f", MTP adaptive k<={a.num_speculative_tokens}"
-    logger.info("serving %s (%s%s) at http://%s:%d/v1", name, model, spec, a.host, a.port)
+    spec = f", MTP {'adaptive k<=' if a.speculative_adaptive else 'k='}{a.num_speculative_tokens}"
+    where = f"{config.model.path}{spec if a.num_speculative_tokens else ''}"
+    logger.info("serving %s (%s) at http://%s:%d/v1", name, where, a.host, a.port)
     return server, engine
 
 

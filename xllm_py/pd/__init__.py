@@ -11,6 +11,10 @@
   entries, so the request is admitted like any prefix-cache hit and computes only its last
   partial block (which also gives its first token and the hidden state MTP drafts from).
 
-Not built yet: the `--pd_role` serving roles, the router, the prefill RPC and its
-fault handling (docs/pd.md lists what is there and what is not).
+- `roles`: the engine core's part of `--pd_role=prefill` (write a finished prompt's blocks
+  to the decode instance) and `--pd_role=decode` (reserve, ask, wait, commit; on any
+  failure compute the prompt here). `route`: the prefill instance's `POST /pd/prefill`.
+
+Not built yet: the router, PD instances that are clusters, transfer metrics, launchers
+(docs/pd.md lists what is there and what is not).
 """

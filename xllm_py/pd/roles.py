@@ -1,0 +1,174 @@
+"""The engine core's side of prefill/decode disaggregation (EngineCore holds one).
+
+Prefill instance (`PrefillSide`): a request that carries a `KVPush` is computed like any
+(one token, the prefix cache on); when it finishes, its prompt's full blocks, still cached
+under their prefix hashes, are written into the decode instance's reserved blocks, after
+the two compatibility records are compared. A failure finishes the request as "abort",
+the reason in its stop_reason, which the PD prefill route answers with.
+
+Decode instance (`DecodeSide`): a new request whose prompt has full blocks this instance
+does not cache reserves blocks for them and asks a prefill instance (a thread here, over
+HTTP) to fill them; the request waits meanwhile. Once written, the blocks are committed
+as prefix-cache entries and the request is scheduled: it computes only its last partial
+block. A transfer that fails or passes --pd_transfer_timeout is aborted and the request
+computes its whole prompt here: slower, never wrong, never lost. A prefill instance whose
+record differs is refused (logged with the field) and not asked again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+
+import msgspec
+
+from xllm_py.cache.block_manager import BlockManager, PrefixImport
+from xllm_py.config import EngineConfig
+from xllm_py.pd.compat import CompatRecord, compat_record, mismatch
+from xllm_py.pd.transfer import KVTransport, TransferError
+from xllm_py.sampling_params import KVPush
+
+logger = logging.getLogger(__name__)
+TOKEN_HEADER = "x-xllm-cluster-token"
+PREFILL_ROUTE = "/pd/prefill"
+
+
+def _transport(config: EngineConfig, worker) -> tuple[KVTransport, CompatRecord, list]:
+    caches = worker.runner.kv_caches
+    transport = KVTransport(config.pd.transfer_host)
+    transport.register(caches)
+    record = compat_record(config, str(worker.dtype), worker.cache_dims)
+    logger.info("PD %s: transfer engine at %s", config.pd.role, transport.session_id)
+    return transport, record, caches
+
+
+class PrefillSide:
+    def __init__(self, config: EngineConfig, worker) -> None:
+        self.transport, self.record, self.caches = _transport(config, worker)
+        self.pushes: dict[str, KVPush] = {}
+
+    def push(self, blocks: BlockManager, push: KVPush) -> str | None:
+        """Write the finished request's blocks; None, or why they were not written."""
+        theirs = msgspec.convert(push.record, CompatRecord)
+        why = mismatch(self.record, theirs)
+        if why is not None:
+            logger.error("PD: a decode instance's KV layout differs, refused: %s", why)
+            return f"refused: {why}"
+        source = blocks.cached_blocks(push.hashes)
+        if source is None:
+            return "the prompt's blocks were evicted before the transfer"
+        try:
+            self.transport.write_blocks(
+                push.session_id, self.caches, source, push.addresses, push.block_ids
+            )
+        except TransferError as e:
+            return str(e)
+        return None
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+@dataclass
+class _Waiting:
+    req: object  # engine/request.py's Request, scheduled once its blocks are settled
+    held: PrefixImport
+    future: concurrent.futures.Future
+    url: str
+    cancelled: bool = False
+
+
+class DecodeSide:
+    def __init__(self, config: EngineConfig, worker) -> None:
+        self.transport, self.record, caches = _transport(config, worker)
+        self.addresses = [t.data_ptr() for t in caches]
+        self.pd = config.pd
+        self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="xllm-pd")
+        self.waiting: dict[str, _Waiting] = {}
+        self.refused: dict[str, str] = {}  # prefill URL -> why
+        self._turn = 0
+        self._lock = threading.Lock()
+        self.blocks_received = self.recomputed = 0
+
+    def _next_url(self) -> str | None:
+        live = [u for u in self.pd.prefill_urls if u not in self.refused]
+        if not live:
+            return None
+        self._turn += 1
+        return live[self._turn % len(live)]
+
+    def admit(self, blocks: BlockManager, req) -> bool:
+        """Start the transfer of `req`'s prompt blocks (True: it waits), or False: nothing
+        to move (cached here already, no room, no prefill instance left)."""
+        url = self._next_url()
+        if url is None:
+            return False
+        held = blocks.reserve_prefix(blocks.prompt_hashes(req.prompt_token_ids))
+        if held is None:
+            return False
+        if not held.block_ids:
+            blocks.abort_prefix(held)
+            return False
+        push = KVPush(self.transport.session_id, self.addresses, held.block_ids, held.hashes,
+                      msgspec.to_builtins(self.record))  # fmt: skip
+        future = self.pool.submit(self._ask, url, req.prompt_token_ids, push)
+        self.waiting[req.req_id] = _Waiting(req, held, future, url)
+        return True
+
+    def _ask(self, url: str, ids: list[int], push: KVPush) -> None:
+        body = json.dumps({"prompt_token_ids": ids, "push": asdict(push)}).encode()
+        headers = {"content-type": "application/json"}
+        if self.pd.token:
+            headers[TOKEN_HEADER] = self.pd.token
+        request = urllib.request.Request(url.rstrip("/") + PREFILL_ROUTE, body, headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.pd.transfer_timeout) as r:
+                r.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            raise TransferError(f"{url} answered {e.code}: {detail}") from None
+
+    def settled(self, blocks: BlockManager) -> list:
+        """Requests whose transfer ended (their blocks committed, or aborted to be computed
+        here), to schedule now; cancelled ones are dropped."""
+        out = []
+        for req_id, w in list(self.waiting.items()):
+            if not w.future.done():
+                continue
+            del self.waiting[req_id]
+            error = w.future.exception()
+            if error is None:
+                blocks.commit_prefix(w.held)
+                self.blocks_received += len(w.held.hashes)
+            else:
+                blocks.abort_prefix(w.held)
+                self.recomputed += 1
+                why = str(error) or type(error).__name__
+                if "refused:" in why:
+                    self.refused[w.url] = why
+                    logger.error("PD: %s is not compatible, not asked again: %s", w.url, why)
+                else:
+                    logger.warning("PD: %s computed here, its transfer failed: %s", req_id, why)
+            if not w.cancelled:
+                out.append(w.req)
+        return out
+
+    def cancel(self, req_id: str) -> bool:
+        w = self.waiting.get(req_id)
+        if w is not None:
+            w.cancelled = True
+        return w is not None
+
+    def wait(self, timeout: float) -> None:
+        futures = [w.future for w in self.waiting.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.transport.close()

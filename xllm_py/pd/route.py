@@ -1,0 +1,68 @@
+"""The PD control plane over HTTP: a prefill instance's `POST /pd/prefill`, which a decode
+instance calls with a prompt and where to write its blocks (xllm_py/pd/roles.py). It
+carries the cluster token when one is set (--cluster_token_file, --cluster_token or
+XLLM_CLUSTER_TOKEN); a call without it is refused and logged."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+import uuid
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from xllm_py.config import EngineConfig, PDConfig
+from xllm_py.pd.roles import PREFILL_ROUTE, TOKEN_HEADER
+from xllm_py.sampling_params import KVPush, SamplingParams
+from xllm_py.tokens import read_token
+
+logger = logging.getLogger(__name__)
+MAX_BODY_BYTES = 64 << 20  # a prompt at the longest context, its block list and addresses
+
+
+class PrefillRequest(msgspec.Struct):
+    prompt_token_ids: list[int]
+    push: KVPush
+
+
+def with_token(config: EngineConfig, a) -> EngineConfig:
+    """`config` with the cluster token its PD role carries, read from EngineArgs `a`'s
+    flags now (unchanged without a role)."""
+    if config.pd.role == "both":
+        return config
+    token = read_token(a.secret("cluster_token"), a.cluster_token_file)
+    return dataclasses.replace(config, pd=dataclasses.replace(config.pd, token=token))
+
+
+def attach(app: FastAPI, engine, pd: PDConfig) -> None:
+    """Add the prefill route to a prefill instance's app (nothing for other roles)."""
+    if pd.role != "prefill":
+        return
+
+    @app.post(PREFILL_ROUTE, include_in_schema=False)
+    async def prefill(request: Request):
+        given = request.headers.get(TOKEN_HEADER, "")
+        if pd.token and not hmac.compare_digest(given.encode(), pd.token.encode()):
+            logger.warning("PD: a prefill request from %s without the cluster token, refused",
+                           request.client.host if request.client else "?")  # fmt: skip
+            return JSONResponse({"error": "missing or wrong cluster token"}, 401)
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return JSONResponse({"error": f"body over {MAX_BODY_BYTES} bytes"}, 413)
+        try:
+            body = msgspec.json.decode(raw, type=PrefillRequest)
+            sampling = SamplingParams(max_tokens=1, temperature=0.0, kv_push=body.push)
+            engine.validate(body.prompt_token_ids, sampling)
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as e:
+            return JSONResponse({"error": str(e)}, 400)
+        last = None
+        async for update in engine.generate(f"pd-{uuid.uuid4().hex}", None,
+                                            body.prompt_token_ids, sampling):  # fmt: skip
+            last = update
+        if last is None or last.finish_reason == "abort":
+            why = "the request ended" if last is None else last.stop_reason
+            return JSONResponse({"error": f"the blocks were not written: {why}"}, 502)
+        return {"blocks": len(body.push.block_ids)}
