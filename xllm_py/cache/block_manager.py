@@ -132,10 +132,7 @@ class BlockManager:
     def abort_prefix(self, imp: PrefixImport) -> None:
         """Let the held blocks go; uncommitted ones come back unhashed (the transfer failed)."""
         for bid in imp.block_ids:
-            self.ref_count[bid] -= 1
-            self._free[bid] = None
-            if self.block_hash[bid] is None:
-                self._free.move_to_end(bid, last=False)
+            self._release(bid)
         imp.block_ids = []
 
     # ---- allocation ---------------------------------------------------------------------------
@@ -179,13 +176,18 @@ class BlockManager:
     def free(self, req: SequenceBlocks) -> None:
         """Release every block of `req` (finished, aborted or preempted)."""
         for bid in reversed(req.block_ids):
-            self.ref_count[bid] -= 1
-            if self.ref_count[bid] == 0:
-                self._free[bid] = None
-                if self.block_hash[bid] is None:
-                    self._free.move_to_end(bid, last=False)
+            self._release(bid)
         req.block_ids = []
         req.num_cached_blocks = 0
+
+    def _release(self, bid: int) -> None:
+        """Drop one reference; a block nobody holds goes back on the free list, at its
+        front when it has no hash (nothing to lose), else at its back (findable longest)."""
+        self.ref_count[bid] -= 1
+        if self.ref_count[bid] == 0:
+            self._free[bid] = None
+            if self.block_hash[bid] is None:
+                self._free.move_to_end(bid, last=False)
 
 
 class PrefixImport:

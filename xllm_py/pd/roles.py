@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import threading
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -92,8 +91,6 @@ class DecodeSide:
         self.waiting: dict[str, _Waiting] = {}
         self.refused: dict[str, str] = {}  # prefill URL -> why
         self._turn = 0
-        self._lock = threading.Lock()
-        self.blocks_received = self.recomputed = 0
 
     def _next_url(self) -> str | None:
         live = [u for u in self.pd.prefill_urls if u not in self.refused]
@@ -144,10 +141,8 @@ class DecodeSide:
             error = w.future.exception()
             if error is None:
                 blocks.commit_prefix(w.held)
-                self.blocks_received += len(w.held.hashes)
             else:
                 blocks.abort_prefix(w.held)
-                self.recomputed += 1
                 why = str(error) or type(error).__name__
                 if "refused:" in why:
                     self.refused[w.url] = why
