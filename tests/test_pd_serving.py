@@ -15,7 +15,7 @@ import pytest
 from tests.server_utils import HTTP, Server
 from xllm_py import LLM
 from xllm_py.pd import transfer
-from xllm_py.pd.roles import PREFILL_ROUTE
+from xllm_py.pd.compat import PREFILL_ROUTE
 from xllm_py.sharegpt import held_out_user_turns
 
 try:

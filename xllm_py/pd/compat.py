@@ -3,7 +3,8 @@
 Both build a `CompatRecord` from their engine config and compare it with the peer's at
 their first meeting. Any difference would make the copied blocks wrong in silence (another
 layout, block size, dtype or model), so the first differing field is named and the pair is
-refused.
+refused. Also the two names of the control plane both sides use: the prefill route and
+the header that carries the cluster token.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import json
 import msgspec
 
 from xllm_py.config import EngineConfig
+
+PREFILL_ROUTE = "/pd/prefill"  # a prefill instance's route, which decode instances call
+TOKEN_HEADER = "x-xllm-cluster-token"  # the cluster token on that call
 
 
 class CompatRecord(msgspec.Struct, frozen=True):

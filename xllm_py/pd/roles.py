@@ -28,13 +28,17 @@ import msgspec
 
 from xllm_py.cache.block_manager import BlockManager, PrefixImport
 from xllm_py.config import EngineConfig
-from xllm_py.pd.compat import CompatRecord, compat_record, mismatch
+from xllm_py.pd.compat import (
+    PREFILL_ROUTE,
+    TOKEN_HEADER,
+    CompatRecord,
+    compat_record,
+    mismatch,
+)
 from xllm_py.pd.transfer import KVTransport, TransferError
 from xllm_py.sampling_params import KVPush
 
 logger = logging.getLogger(__name__)
-TOKEN_HEADER = "x-xllm-cluster-token"
-PREFILL_ROUTE = "/pd/prefill"
 
 
 def _transport(config: EngineConfig, worker) -> tuple[KVTransport, CompatRecord, list]:

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from xllm_py.config import EngineConfig, PDConfig
-from xllm_py.pd.roles import PREFILL_ROUTE, TOKEN_HEADER
+from xllm_py.pd.compat import PREFILL_ROUTE, TOKEN_HEADER
 from xllm_py.sampling_params import KVPush, SamplingParams
 from xllm_py.tokens import read_token
 
