@@ -96,6 +96,15 @@ def md_table(head: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
+def write_results(folder: Path, title: str, cmd: str, where: dict, note: str, table: str) -> str:
+    """A sweep's results.md in `folder` (title, command, machine, what was run, the table),
+    printed too; returns its text."""
+    md = f"# {title}\n\n`{cmd}`\n\nMachine: {json.dumps(where)}\n\n{note}\n\n{table}\n"
+    (folder / "results.md").write_text(md)
+    print(md)
+    return md
+
+
 def print_block(title: str, rows: list[tuple], width: int = 72) -> None:
     """A summary as vLLM prints one: `label value` lines (floats to 2 decimals) under a
     title; a row (heading,) starts a section."""

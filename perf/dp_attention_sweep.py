@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from perf.common import RESULTS, ROOT, command, machine, md_table, parser
+from perf.common import RESULTS, ROOT, command, machine, md_table, parser, write_results
 from perf.daemon import free_port_range
 from perf.mtp_sweep import Method, lengths, run_method
 
@@ -95,14 +95,12 @@ def main(argv: list[str] | None = None) -> dict:
          f"{r['dp_attention_output_tok_s']:.1f}", f"{r['ratio']:.2f}x",
          f"{r['tp_tpot_ms']:.1f}", f"{r['dp_attention_tpot_ms']:.1f}", r["failed"]]
         for r in rows])  # fmt: skip
-    md = (
-        f"# DP attention against TP, {args.nnodes} nodes on one host\n\n`{cmd}`\n\n"
-        f"Machine: {json.dumps(summary['machine'])}\n\nShareGPT prompts cut/extended to "
-        f"{input_len} input and {output_len} output tokens (ignore_eos), greedy; both layouts "
-        "in this run, on the same prompts.\n\n" + table + "\n"
+    note = (
+        f"ShareGPT prompts cut/extended to {input_len} input and {output_len} output "
+        "tokens (ignore_eos), greedy; both layouts in this run, on the same prompts."
     )
-    (args.result_dir / "results.md").write_text(md)
-    print(md)
+    write_results(args.result_dir, f"DP attention against TP, {args.nnodes} nodes on one host",
+                  cmd, summary["machine"], note, table)  # fmt: skip
     return summary
 
 

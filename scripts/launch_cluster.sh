@@ -27,6 +27,14 @@
 #     (--api_key, --cluster_token): every user of a host sees a command line in `ps`.
 #   DRY_RUN=0 (1: print the command that would start each node, or each host's ssh
 #     command; start nothing, record nothing)
+# Prefill/decode disaggregation (one host): PD_PREFILL=P PD_DECODE=D (both >= 1) start
+# independent instances instead of one cluster: node 0 is the router (--pd_role=router,
+# on START_PORT, no device), nodes 1..P prefill instances and the next D decode
+# instances (--pd_prefill: every prefill instance), each on its own device and port
+# (START_PORT + i; device START_DEVICE + i - 1). The cluster settings (MASTER_NODE_ADDR,
+# EP_SIZE, DP_SIZE, ENABLE_DP_ATTENTION, HOSTS) do not apply; NNODES is 1 + P + D. Every
+# instance reads the same cluster token, which the PD control plane carries. The start
+# waits until the router's /health sees every instance live.
 # Node i listens on START_PORT + i and uses device START_DEVICE + i (one host), or
 # START_DEVICE + its index among its host's nodes (several hosts). On cuda and npu each
 # process sees only its own device: CUDA_VISIBLE_DEVICES (cuda) or ASCEND_RT_VISIBLE_DEVICES
@@ -96,6 +104,8 @@ if [[ -z "${REMOTE_PYTHON:-}" ]]; then
 fi
 REMOTE_ENV="${REMOTE_ENV:-}"
 CLUSTER_TOKEN_FILE="${CLUSTER_TOKEN_FILE:-}"
+PD_PREFILL="${PD_PREFILL:-0}"
+PD_DECODE="${PD_DECODE:-0}"
 PID_FILE="$LOG_DIR/cluster.pids"
 if [[ "$LOG_DIR" == /* ]]; then LOG_ABS="$LOG_DIR"; else LOG_ABS="$PWD/$LOG_DIR"; fi
 TOKEN_SRC="${CLUSTER_TOKEN_FILE:-$LOG_ABS/cluster.token}"  # the token, on this host
@@ -318,10 +328,22 @@ plan_nodes() {  # NODE_HOST (host, "" = here, unsent), NODE_BIND (--host), NODE_
     *) die "DEVICE_TYPE=$DEVICE_TYPE: expected cpu, cuda or npu" ;;
   esac
   plan_hosts
+  [[ "$PD_PREFILL" =~ ^[0-9]+$ && "$PD_DECODE" =~ ^[0-9]+$ ]] ||
+    die "PD_PREFILL=$PD_PREFILL PD_DECODE=$PD_DECODE: expected numbers of instances"
+  if (( PD_PREFILL + PD_DECODE > 0 )); then
+    (( PD_PREFILL >= 1 && PD_DECODE >= 1 )) ||
+      die "PD_PREFILL=$PD_PREFILL PD_DECODE=$PD_DECODE: a PD deployment needs at least one of each"
+    (( ${#HOST_NAMES[@]} == 0 )) ||
+      die "PD over several hosts (HOSTS, HOSTFILE) is not implemented: start each instance there with 'xllm --pd_role=...' (docs/pd.md)"
+    if [[ -n "$NNODES_GIVEN" && "$NNODES_GIVEN" != $((1 + PD_PREFILL + PD_DECODE)) ]]; then
+      die "NNODES=$NNODES_GIVEN but PD_PREFILL=$PD_PREFILL PD_DECODE=$PD_DECODE start $((1 + PD_PREFILL + PD_DECODE)) (the router too); unset NNODES"
+    fi
+    NNODES=$((1 + PD_PREFILL + PD_DECODE))
+  fi
   if (( ${#HOST_NAMES[@]} == 0 )); then
     MULTI=0
     for (( h = 0; h < NNODES; h++ )); do
-      NODE_HOST+=("") NODE_BIND+=("$HOST") NODE_DEV+=("$((START_DEVICE + h))")
+      NODE_HOST+=("") NODE_BIND+=("$HOST") NODE_DEV+=("$((START_DEVICE + h - (PD_DECODE > 0)))")
     done
     return 0
   fi
@@ -342,16 +364,39 @@ plan_nodes() {  # NODE_HOST (host, "" = here, unsent), NODE_BIND (--host), NODE_
   return 0
 }
 
+pd_urls() {  # pd_urls FIRST COUNT: the URLs of COUNT PD instances from node FIRST on
+  local j
+  for (( j = $1; j < $1 + $2; j++ )); do printf 'http://%s:%s\n' "$HOST" "$((START_PORT + j))"; done
+}
+
+pd_role_words() {  # pd_role_words RANK: sets ROLE, the PD flags of node RANK (PD mode)
+  local prefill=()
+  mapfile -t prefill < <(pd_urls 1 "$PD_PREFILL")
+  if (( $1 <= PD_PREFILL )); then ROLE=(--pd_role=prefill)
+  else ROLE=(--pd_role=decode --pd_prefill "${prefill[@]}")
+  fi
+}
+
 node_words() {  # node_words RANK PYTHON: sets WORDS, the command line of node RANK
-  local i=$1 py=$2 device extra=() draft=() common
+  local i=$1 py=$2 device extra=() draft=() common cluster
   if [[ "$DEVICE_TYPE" == cpu ]]; then device=cpu; else device="$DEVICE_TYPE:0"; fi
+  if (( PD_DECODE > 0 && i == 0 )); then  # the router: no model, no device
+    local decode=() prefill=()
+    mapfile -t decode < <(pd_urls $((1 + PD_PREFILL)) "$PD_DECODE")
+    mapfile -t prefill < <(pd_urls 1 "$PD_PREFILL")
+    WORDS=(setsid nohup "$py" -m xllm_py --pd_role=router --host "$HOST" --port "$START_PORT"
+           --pd_decode "${decode[@]}" --pd_prefill "${prefill[@]}")
+    return 0
+  fi
+  cluster=(--master_node_addr="$MASTER_NODE_ADDR" --nnodes="$NNODES" --ep_size="$EP_SIZE"
+           --dp_size="$DP_SIZE" --enable_dp_attention="$ENABLE_DP_ATTENTION" --node_rank="$i")
+  if (( PD_DECODE > 0 )); then pd_role_words "$i"; cluster=("${ROLE[@]}"); fi
   common=(
-    --master_node_addr="$MASTER_NODE_ADDR" --nnodes="$NNODES"
+    "${cluster[@]}"
     --num_speculative_tokens "$NUM_SPECULATIVE_TOKENS"
     --max_memory_utilization="$MAX_MEMORY_UTILIZATION"
     --max_tokens_per_batch="$MAX_TOKENS_PER_BATCH" --max_seqs_per_batch="$MAX_SEQS_PER_BATCH"
-    --enable_mla=true --block_size="$BLOCK_SIZE" --ep_size="$EP_SIZE" --dp_size="$DP_SIZE"
-    --enable_dp_attention="$ENABLE_DP_ATTENTION"
+    --enable_mla=true --block_size="$BLOCK_SIZE"
     --enable_prefix_cache="$ENABLE_PREFIX_CACHE"
     --enable_chunked_prefill="$ENABLE_CHUNKED_PREFILL" --host "${NODE_BIND[i]}"
     --cluster_token_file="$(node_token_file "$i")"
@@ -373,7 +418,7 @@ node_words() {  # node_words RANK PYTHON: sets WORDS, the command line of node R
   fi
   # setsid: each node leads its own process group, so `stop` can signal the whole group
   WORDS+=(setsid nohup "$py" -m xllm_py "${common[@]}" ${draft[@]+"${draft[@]}"} --devices="$device")
-  WORDS+=(--port "$((START_PORT + i))" --node_rank="$i" ${extra[@]+"${extra[@]}"})
+  WORDS+=(--port "$((START_PORT + i))" ${extra[@]+"${extra[@]}"})
 }
 
 host_command() {  # host_command HOST: the shell command line that starts HOST's nodes
@@ -391,6 +436,13 @@ host_command() {  # host_command HOST: the shell command line that starts HOST's
     sep="sleep 0.5; "
   done
   printf '%s' "$cmd"
+}
+
+healthy() {  # healthy URL: node 0 answers /health (a PD router: with every instance live,
+  # where one live decode instance would do for it)
+  local body
+  body=$(curl -sf --max-time 5 "$1/health" 2> /dev/null) || return 1
+  (( PD_DECODE == 0 )) || [[ "$body" == "{\"decode\":$PD_DECODE,\"prefill\":$PD_PREFILL}" ]]
 }
 
 start_cluster() {
@@ -455,7 +507,7 @@ start_cluster() {
     done
   fi
   local deadline=$((SECONDS + HEALTH_TIMEOUT)) up
-  until curl -sf --max-time 5 "$url/health" > /dev/null 2>&1; do
+  until healthy "$url"; do
     read_pids
     up=" $(running "${!NODE_PID[@]}" | tr '\n' ' ') "
     for i in "${!NODE_PID[@]}"; do
@@ -480,6 +532,8 @@ start_cluster() {
   done
   if (( MULTI )); then
     echo "cluster of $NNODES nodes on ${#HOST_NAMES[@]} hosts is up: $url/v1 (logs in $LOG_ABS/ on each host, stop with '$0 stop')"
+  elif (( PD_DECODE > 0 )); then
+    echo "PD deployment of $PD_PREFILL prefill and $PD_DECODE decode instances is up behind its router: $url/v1 (logs in $LOG_DIR/, stop with '$0 stop')"
   else
     echo "cluster of $NNODES nodes is up: $url/v1 (logs in $LOG_DIR/, stop with '$0 stop')"
   fi

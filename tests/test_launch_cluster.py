@@ -1,7 +1,8 @@
 """scripts/launch_cluster.sh with its defaults (bundled model, CPU, 2 nodes, MTP on; a
 small KV cache through EXTRA_ARGS, SMALL_CACHE): it brings the cluster up, the master
 serves a completion, `stop` leaves nothing behind.
-Across hosts (HOSTS / HOSTFILE): two loopback 'hosts' reached through a stub ssh, and
+A PD deployment (PD_PREFILL, PD_DECODE) serves through its router with a prompt's blocks
+moved. Across hosts (HOSTS / HOSTFILE): two loopback 'hosts' reached through a stub ssh, and
 dry runs of the commands (visible-devices variables, ranks, addresses)."""
 
 from __future__ import annotations
@@ -72,6 +73,37 @@ def test_launch_serve_and_stop(tmp_path):
     assert down.returncode == 0, down.stdout + down.stderr
     assert not any(alive(p) for p in pids)
     assert not (tmp_path / "log" / "cluster.pids").exists()
+
+
+def test_a_pd_deployment_launches_serves_and_stops(tmp_path):
+    """PD_PREFILL=1 PD_DECODE=1: a router on START_PORT, a prefill and a decode instance
+    after it; a prompt of several blocks is served through the router, its blocks moved."""
+    port = free_port_range(3)
+    env = os.environ | {"LOG_DIR": str(tmp_path / "log"), "START_PORT": str(port),
+                        "PD_PREFILL": "1", "PD_DECODE": "1", "BLOCK_SIZE": "16",
+                        "HEALTH_TIMEOUT": "240", "EXTRA_ARGS": SMALL_CACHE}  # fmt: skip
+    dry = run_script(env | {"DRY_RUN": "1"})
+    router, prefill, decode = [shlex.split(x) for x in dry.stdout.splitlines() if "xllm_py" in x]
+    urls = [f"http://127.0.0.1:{port + i}" for i in (1, 2)]
+    assert flag(router, "--pd_role") == "router" and flag(router, "--port") == str(port)
+    assert router[router.index("--pd_decode") + 1] == urls[1]
+    assert router[router.index("--pd_prefill") + 1] == urls[0]
+    assert flag(prefill, "--pd_role") == "prefill" and "--nnodes" not in prefill
+    assert flag(decode, "--pd_role") == "decode" and flag(decode, "--pd_prefill") == urls[0]
+    try:
+        up = run_script(env, timeout=300)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "1 prefill and 1 decode instances is up" in up.stdout
+        body = {"prompt": "Hello there. " * 40, "max_tokens": 8, "ignore_eos": True}
+        r = HTTP.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        moved = HTTP.get(urls[1] + "/metrics", timeout=10).text
+        assert any(line.startswith("xllm:pd_kv_blocks_total") and float(line.split()[-1]) > 0
+                   for line in moved.splitlines()), moved  # fmt: skip
+    finally:
+        down = run_script(env, "stop", timeout=120)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "stopped 3 processes" in down.stdout
 
 
 # A node that dies during start-up; as a process that loaded Triton, it then prints the

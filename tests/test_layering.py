@@ -146,3 +146,16 @@ def test_no_function_is_longer_than_a_screen():
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n  " + "\n  ".join(long)
+
+
+def test_the_http_process_and_the_pd_router_load_no_torch():
+    """The daemon's HTTP process (its engine core is another process) and the PD router
+    import no torch: 2 s of every start (pd/route.py once pulled it in through pd/roles.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, xllm_py.cli, xllm_py.entrypoints.serve, xllm_py.entrypoints.api_server, "
+            "xllm_py.pd.route, xllm_py.pd.router; print(sorted(m for m in sys.modules "
+            "if m.split('.')[0] == 'torch')[:3])")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -4,12 +4,24 @@ prompts' blocks moved by Mooncake's transfer engine. Through the decode daemon, 
 completions equal a colocated daemon's, tokens and logprobs, with MTP (k = 2): the decode
 daemon found every moved block in its prefix cache (its /metrics), so it computed only
 each prompt's last partial block. A decode daemon of another block size is refused at its
-first request, the field named, and computes its prompts itself; so does the first one
+first request, the field named (the client's error under --pd_on_transfer_failure=error),
+and computes its prompts itself; so does the first one
 once the prefill daemon is gone, with the same answers. A prefill call without the
-cluster token is refused."""
+cluster token is refused.
+
+The router (--pd_role=router) in front of a prefill and two decode daemons serves the
+openai client: completions and chat equal a decode daemon's own answers, streamed and
+not, and a required tool call comes back parsed; requests are spread over both decode
+daemons. A decode daemon killed mid-stream ends its client's stream with an error event
+and [DONE], and the next requests go to the other."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import signal
+
+import openai
 import pytest
 
 from tests.server_utils import HTTP, Server
@@ -28,6 +40,7 @@ FLAGS = ("--dtype=float32", f"--block_size={BLOCK}", "--num_speculative_tokens=2
          "--max_cache_size=16000000", "--speculative_confidence=off")  # fmt: skip
 TOKEN = "pd-test-token-0123456789"
 HITS = "xllm:prefix_cache_hits_total"
+BLOCK_BYTES = 9 * BLOCK * 96 * 4  # layers (8 target + 1 MTP) x block x latent + rope x fp32
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +73,25 @@ def test_decode_through_a_prefill_instance_is_colocated_decoding(prompts):
                 assert_same(complete(dec.url, p), w)
             moved = sum((len(p) - 1) // BLOCK * BLOCK for p in prompts[:3])  # full blocks' tokens
             assert dec.metric(HITS) == moved > 0  # every full block arrived, none computed
+            blocks = moved // BLOCK
+            for side in (dec, prefill):  # received, written
+                assert side.metric("xllm:pd_kv_blocks_total") == blocks
+                assert side.metric("xllm:pd_kv_bytes_total") == blocks * BLOCK_BYTES
+            assert dec.metric("xllm:pd_transfers_total") == 3
+            assert dec.metric("xllm:pd_transfer_seconds_count") == 3
+            assert dec.metric("xllm:pd_transfer_failures_total") == 0
             refused = HTTP.post(prefill.url + PREFILL_ROUTE, json={}, timeout=10)
             assert refused.status_code == 401
-            # another block size: refused at the first request, naming the field, and the
-            # decode daemon computes its prompts itself
+            # another block size: refused at the first request, naming the field (an error
+            # for the client under --pd_on_transfer_failure=error), and the decode daemon
+            # computes its prompts itself from then on
             other = [f for f in FLAGS if not f.startswith("--block_size")] + ["--block_size=32"]
             with Server(*other, "--pd_role=decode", f"--pd_prefill={prefill.url}",
-                        env=env) as odd:  # fmt: skip
+                        "--pd_on_transfer_failure=error", env=env) as odd:  # fmt: skip
+                body = {"prompt": prompts[0], "max_tokens": 4}
+                r = HTTP.post(odd.url + "/v1/completions", json=body, timeout=120)
+                assert r.status_code == 500, r.text
+                assert "block_size: this instance has 16, the peer 32" in r.text
                 assert_same(complete(odd.url, prompts[0]), want[0])
                 assert "block_size: this instance has 16, the peer 32" in odd.output()
             assert "not compatible, not asked again" in odd.output()
@@ -75,3 +100,79 @@ def test_decode_through_a_prefill_instance_is_colocated_decoding(prompts):
                 assert_same(complete(dec.url, p), w)
             assert dec.metric(HITS) == moved
             assert "computed here, its transfer failed" in dec.output()
+            assert dec.metric("xllm:pd_transfer_failures_total") >= 1
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+
+
+def chat(client: openai.OpenAI, model: str, **kw):
+    """One greedy chat answer's text, streamed or not."""
+    ask = [{"role": "user", "content": "Name three colours."}]
+    args = dict(model=model, messages=ask, max_tokens=24, temperature=0, **kw)
+    if not kw.get("stream"):
+        return client.chat.completions.create(**args).choices[0].message.content
+    chunks = client.chat.completions.create(**args)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def kill_mid_stream(router, decodes) -> tuple[list[str], object]:
+    """Stream a long completion through the router, kill the decode daemon serving it after
+    the first event: (the stream's data lines, the daemon killed)."""
+    body = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    lines, killed = [], None
+    with HTTP.stream("POST", router.url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            lines.append(line[6:])
+            if killed is None:
+                busy = [d for d in decodes
+                        if router.metric("xllm_router:in_flight", url=d.url) == 1]  # fmt: skip
+                (killed,) = busy
+                killed.stop(signal.SIGKILL)
+    return lines, killed
+
+
+def test_the_router_serves_the_openai_client_and_routes_around_a_dead_decode_daemon(prompts):
+    env = {"XLLM_CLUSTER_TOKEN": TOKEN}
+    tools = ("--tool_call_parser=deepseek_v3", "--enable_auto_tool_choice")
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(Server(*FLAGS, "--pd_role=prefill", env=env))
+        decode = ["--pd_role=decode", f"--pd_prefill={prefill.url}"]
+        decodes = [stack.enter_context(Server(*FLAGS, *tools, *decode, env=env)) for _ in "ab"]
+        router = stack.enter_context(Server("--pd_role=router", "--pd_decode",
+            *(d.url for d in decodes), "--pd_prefill", prefill.url,
+            "--pd_health_interval=0.5"))  # fmt: skip
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+        direct = openai.OpenAI(base_url=decodes[0].url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+
+        assert_same(complete(router.url, prompts[0]), complete(decodes[0].url, prompts[0]))
+        text = client.completions.create(model=model, prompt="Hello", max_tokens=8,
+                                         temperature=0).choices[0].text  # fmt: skip
+        assert text == direct.completions.create(model=model, prompt="Hello", max_tokens=8,
+                                                 temperature=0).choices[0].text  # fmt: skip
+        want = chat(direct, model)
+        assert chat(client, model) == want == chat(client, model, stream=True)
+        call = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=64,
+            temperature=0,
+        )  # fmt: skip
+        (tc,) = call.choices[0].message.tool_calls
+        assert tc.function.name == "get_weather" and "city" in json.loads(tc.function.arguments)
+        for d in decodes:  # least loaded, ties in turn: both served some
+            assert router.metric("xllm_router:requests_total", url=d.url) > 0
+
+        lines, killed = kill_mid_stream(router, decodes)
+        assert (
+            lines[-1] == "[DONE]"
+            and "failed mid-answer" in json.loads(lines[-2])["error"]["message"]
+        )
+        assert len(lines) < 500  # cut short, not finished
+        assert router.metric("xllm_router:instance_up", url=killed.url) == 0
+        for _ in range(2):  # both to the live one
+            assert chat(client, model) == want
+        assert HTTP.get(router.url + "/health", timeout=10).json() == {"decode": 1, "prefill": 1}

@@ -331,14 +331,27 @@ class EngineArgs:
     pd_role: str = option("both", "pd", "both = prefill and decode (no disaggregation); "
         "prefill = compute prompts for decode instances and write their KV blocks into them "
         "(Mooncake's transfer engine); decode = have each prompt's full blocks prefilled by "
-        "--pd_prefill", choices=["both", "prefill", "decode"], offline=False)  # fmt: skip
-    pd_prefill: list[str] = option([], "pd", "with --pd_role=decode: the prefill instances' "
-        "URLs (http://host:port), used in turn", nargs="+", offline=False)  # fmt: skip
+        "--pd_prefill; router = no model: forward each API request to the least loaded live "
+        "decode instance of --pd_decode", choices=["both", "prefill", "decode", "router"],
+        offline=False)  # fmt: skip
+    pd_prefill: list[str] = option([], "pd", "with --pd_role=decode or router: the prefill "
+        "instances' URLs (http://host:port); a decode instance asks the one it has fewest "
+        "prompts out with, and leaves one that failed alone for a while", nargs="+",
+        offline=False)  # fmt: skip
+    pd_decode: list[str] = option([], "pd", "with --pd_role=router: the decode instances' URLs "
+        "(http://host:port)", nargs="+", offline=False)  # fmt: skip
+    pd_health_interval: float = option(2.0, "pd", "seconds between the router's /health checks "
+        "of each instance; one that fails a check, or a connection, gets no new requests until "
+        "it passes one", offline=False)  # fmt: skip
     pd_transfer_host: str = option("127.0.0.1", "pd", "the address this instance's transfer "
         "engine listens on: a trusted-network data plane, as NCCL's is", offline=False)  # fmt: skip
     pd_transfer_timeout: float = option(30.0, "pd", "seconds a decode instance waits for one "
         "prompt's blocks; a transfer that fails or takes longer is recomputed here",
         offline=False)  # fmt: skip
+    pd_on_transfer_failure: str = option("recompute", "pd", "what a decode instance does with a "
+        "request whose prompt's blocks did not arrive (a failed, refused or late transfer): "
+        "recompute = compute the prompt here; error = fail the request, naming why",
+        choices=["recompute", "error"], offline=False)  # fmt: skip
 
     # ---- secrets and TLS
     api_key: str | None = option(None, "security", "if set, /v1/* requires 'Authorization: "
@@ -447,7 +460,6 @@ class EngineArgs:
             DeviceConfig,
             EngineConfig,
             ModelConfig,
-            PDConfig,
             SchedulerConfig,
         )
 
@@ -480,14 +492,23 @@ class EngineArgs:
                 moe_backend=self.moe_backend,
             ),
             spec=self._spec_config(),
-            pd=PDConfig(
-                role=self.pd_role,
-                prefill_urls=tuple(self.pd_prefill),
-                transfer_host=self.pd_transfer_host,
-                transfer_timeout=self.pd_transfer_timeout,
-            ),
+            pd=self.pd_config(),
         )
         return config
+
+    def pd_config(self):
+        """The PD flags as a PDConfig (no token: pd/route.py's with_token adds it)."""
+        from xllm_py.config import PDConfig
+
+        return PDConfig(
+            role=self.pd_role,
+            prefill_urls=tuple(self.pd_prefill),
+            decode_urls=tuple(self.pd_decode),
+            transfer_host=self.pd_transfer_host,
+            transfer_timeout=self.pd_transfer_timeout,
+            on_transfer_failure=self.pd_on_transfer_failure,
+            health_interval=self.pd_health_interval,
+        )
 
     def _spec_config(self):
         from xllm_py.config import SpecConfig

@@ -20,7 +20,8 @@ a command line is visible to every user of the host.
 
 Every flag is declared once, in xllm_py/args.py (EngineArgs); this module only parses
 and dispatches: to the HTTP daemon (entrypoints/serve.py), a cluster worker node
-(cluster/worker_node.py) or the Ray launcher (cluster/ray_launch.py).
+(cluster/worker_node.py), the Ray launcher (cluster/ray_launch.py) or the PD router
+(pd/router.py).
 
 Exit status: 0 after a clean shutdown (SIGTERM/SIGINT on the master, or on a cluster
 worker, which asks the master to do the same: /health and new requests answer 503 while
@@ -88,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
             return launch(args)
         if args.nnodes > 1 and args.node_rank > 0:
             return run_worker(args)
+        if args.pd_role == "router":
+            from xllm_py.pd.router import run_router
+
+            args.pd_config()  # checks the PD flags (ValueError)
+            return run_router(args)
         server, engine = build_server(args)
     except (ValueError, FileNotFoundError) as e:  # configuration errors: one line, exit 2
         print(f"xllm: error: {e}", file=sys.stderr)

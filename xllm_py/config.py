@@ -788,19 +788,24 @@ class DeviceConfig:
         return "float32" if self.device.startswith("cpu") else "bfloat16"
 
 
-PD_ROLES = ("both", "prefill", "decode")
+PD_ROLES = ("both", "prefill", "decode", "router")
 
 
 @dataclass(frozen=True)
 class PDConfig:
     """Prefill/decode disaggregation (xllm_py/pd, docs/pd.md): "both" prefills and decodes
     (no PD); "prefill" computes prompts for decode instances and writes their KV blocks
-    into them; "decode" has its prompts' full blocks prefilled by `prefill_urls`."""
+    into them; "decode" has its prompts' full blocks prefilled by `prefill_urls`; "router"
+    serves no model: it forwards each API request to the least loaded live instance of
+    `decode_urls` and watches every instance's /health each `health_interval` seconds."""
 
     role: str = "both"
     prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
     transfer_host: str = "127.0.0.1"  # where this instance's transfer engine listens
     transfer_timeout: float = 30.0  # seconds a decode instance waits for one prompt's blocks
+    health_interval: float = 2.0  # seconds between the router's health checks
+    on_transfer_failure: str = "recompute"  # a decode instance's: or "error"
     token: str | None = None  # the cluster token the PD control plane carries
 
     def __post_init__(self) -> None:
@@ -808,11 +813,28 @@ class PDConfig:
             raise ValueError(f"pd_role={self.role!r} must be one of {PD_ROLES}")
         if self.role == "decode" and not self.prefill_urls:
             raise ValueError("pd_role='decode' needs --pd_prefill: the prefill instances' URLs")
+        if self.role == "router" and not self.decode_urls:
+            raise ValueError("pd_role='router' needs --pd_decode: the decode instances' URLs")
+        if self.decode_urls and self.role != "router":
+            raise ValueError(f"--pd_decode is the router's (pd_role={self.role!r})")
+        for url in self.prefill_urls + self.decode_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"PD instance URL {url!r} must start with http:// or https://")
+        if self.on_transfer_failure not in ("recompute", "error"):
+            raise ValueError(
+                f"pd_on_transfer_failure={self.on_transfer_failure!r} must be 'recompute' or "
+                "'error'"
+            )
         if self.transfer_timeout <= 0:
             raise ValueError(f"pd_transfer_timeout={self.transfer_timeout} must be > 0")
+        if self.health_interval <= 0:
+            raise ValueError(f"pd_health_interval={self.health_interval} must be > 0")
 
     def __repr__(self) -> str:  # the token is a secret
-        return f"PDConfig(role={self.role!r}, prefill_urls={self.prefill_urls!r})"
+        return (
+            f"PDConfig(role={self.role!r}, prefill_urls={self.prefill_urls!r}, "
+            f"decode_urls={self.decode_urls!r})"
+        )
 
 
 @dataclass(frozen=True)

@@ -120,17 +120,20 @@ class EngineCore(EngineCoreClient):
         return waiting or self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
+        failed = []  # PD decode, --pd_on_transfer_failure=error: requests whose blocks failed
         if self.config.pd.role == "decode":
-            for req in self.pd.settled(self.blocks):
+            ready, errors = self.pd.settled(self.blocks)
+            for req in ready:
                 self.scheduler.add_request(req)
+            failed = [EngineCoreOutput(i, [], None, "error", why) for i, why in errors]
         sched = self.scheduler.schedule()
         if not sched.num_scheduled_tokens and not sched.finished_req_ids:
             self._timed = None  # idle: the time until the next step is not a step's
             if self.lockstep:
                 self.executor.execute(sched)
-            if self.config.pd.role == "decode":
+            if self.config.pd.role == "decode" and not failed:
                 self.pd.wait(PD_POLL_S)  # only transfers to wait for: not a busy loop
-            return []
+            return failed
         # Adaptive speculation times whole steps, start to next start: the executor's part
         # and what the engine does around it (scheduling, outputs, detokenising, streaming),
         # which a larger k shares among more tokens.
@@ -144,7 +147,7 @@ class EngineCore(EngineCoreClient):
             self._push_finished(outputs)
         if not self.scheduler.has_unfinished():
             self._timed = None  # the next step starts after an idle wait: not this step's
-        return outputs
+        return outputs + failed
 
     def _push_finished(self, outputs: list[EngineCoreOutput]) -> None:
         """PD prefill: write each finished request's prompt blocks to its decode instance;
@@ -155,7 +158,10 @@ class EngineCore(EngineCoreClient):
                 out.finish_reason, out.stop_reason = "abort", why
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        st = self.scheduler.stats()
+        if self.pd is not None:
+            st.pd = self.pd.stats
+        return st
 
     def shutdown(self, reason: str = "shutting down", failure: bool = False) -> None:
         if self.pd is not None:

@@ -135,6 +135,10 @@ class LLMEngine:
             state = self.states.get(out.req_id)
             if state is None:
                 continue
+            if out.finish_reason == "error":  # the core failed it (PD: its blocks never came)
+                del self.states[out.req_id]
+                results.append(state.output(str(out.stop_reason)))
+                continue
             try:
                 stopped = state.apply(out)
             except Exception as e:  # noqa: BLE001 - this request's own fault, not the step's

@@ -9,6 +9,8 @@ its own registry, so several servers in one process (tests) do not collide.
 
 from __future__ import annotations
 
+import itertools
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -21,6 +23,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from xllm_py.engine.async_engine import AsyncEngine, EngineEvents, RequestRecord
+from xllm_py.pd.compat import TRANSFER_BUCKETS_S, PDStats
 from xllm_py.speculative.metrics import ACCEPTANCE_BUCKETS, SpecDecodeStats
 from xllm_py.structured import GrammarCacheCollector
 
@@ -73,6 +76,7 @@ class _StatsCollector(Collector):
             "xllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (in full blocks).",
             st.prefix_cache_hits,
         )  # fmt: skip
+        yield from _pd_metrics(st.pd, counter, labels) if st.pd is not None else ()
         spec = st.spec
         yield counter(
             "xllm:spec_decode_num_drafts",
@@ -136,12 +140,17 @@ class _StatsCollector(Collector):
             "draft tokens verified.",
             labels=["model_name"],
         )
-        buckets, total = [], 0
-        for bound, n in zip(ACCEPTANCE_BUCKETS, spec.acceptance_buckets):
-            total += n
-            buckets.append((floatToGoString(bound), total))
-        h.add_metric([self.model], buckets + [("+Inf", total)], spec.acceptance_sum)
+        h.add_metric(
+            [self.model], _buckets(ACCEPTANCE_BUCKETS, spec.acceptance_buckets), spec.acceptance_sum
+        )
         return h
+
+
+def _buckets(bounds, counts: list[int]) -> list[tuple[str, int]]:
+    """A histogram's cumulative buckets from counts per bucket (the +Inf bucket's last, or
+    left out: the +Inf bucket counts everything)."""
+    cumulative = list(itertools.accumulate(counts))
+    return [(floatToGoString(b), n) for b, n in zip(bounds, cumulative)] + [("+Inf", sum(counts))]
 
 
 class ServerMetrics:
@@ -205,3 +214,24 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _pd_metrics(pd: PDStats, counter, labels: list[str]):
+    """A PD instance's transfers (pd/compat.py's PDStats)."""
+    yield counter(
+        "xllm:pd_kv_blocks", "KV cache blocks moved: written to decode instances (prefill) or "
+        "received from prefill instances (decode).", pd.blocks,
+    )  # fmt: skip
+    yield counter("xllm:pd_kv_bytes", "KV cache bytes moved (as xllm:pd_kv_blocks).", pd.bytes)
+    yield counter("xllm:pd_transfers", "Prompts whose blocks arrived (decode).", pd.transfers)
+    yield counter(
+        "xllm:pd_transfer_failures", "Prompts whose blocks did not arrive (failed, refused or "
+        "late transfers; recomputed here or failed, as --pd_on_transfer_failure says).",
+        pd.failures,
+    )  # fmt: skip
+    hist = HistogramMetricFamily(
+        "xllm:pd_transfer_seconds", "Seconds from asking a prefill instance to the arrival of "
+        "the prompt's blocks: its prefill and the transfer (decode).", labels=["model_name"],
+    )  # fmt: skip
+    hist.add_metric(labels, _buckets(TRANSFER_BUCKETS_S, pd.seconds), pd.seconds_sum)
+    yield hist

@@ -28,6 +28,7 @@ from xllm_py.executor.messages import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from xllm_py.pd.compat import PDStats
 from xllm_py.speculative.adaptive import AdaptiveSpeculation
 from xllm_py.speculative.confidence import ConfidencePolicy
 from xllm_py.speculative.metrics import SpecDecodeStats
@@ -40,7 +41,7 @@ class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (why: stop_reason)
     stop_reason: int | str | None = None
     # with the request's first output, when it asked for prompt logprobs: one entry per
     # prompt token, the first None (nothing comes before it), and the ranks of the rest
@@ -60,6 +61,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     spec: SpecDecodeStats | None = None
+    pd: PDStats | None = None  # a PD prefill or decode instance's transfers
 
 
 class Scheduler:

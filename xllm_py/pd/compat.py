@@ -3,12 +3,13 @@
 Both build a `CompatRecord` from their engine config and compare it with the peer's at
 their first meeting. Any difference would make the copied blocks wrong in silence (another
 layout, block size, dtype or model), so the first differing field is named and the pair is
-refused. Also the two names of the control plane both sides use: the prefill route and
-the header that carries the cluster token.
+refused. Also what else both sides share: the prefill route and the header that carries
+the cluster token, and `PDStats`, the transfer counters /metrics reads.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
@@ -19,6 +20,31 @@ from xllm_py.config import EngineConfig
 
 PREFILL_ROUTE = "/pd/prefill"  # a prefill instance's route, which decode instances call
 TOKEN_HEADER = "x-xllm-cluster-token"  # the cluster token on that call
+# upper bounds (s) of the transfer-latency histogram's buckets, then +Inf
+TRANSFER_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclasses.dataclass
+class PDStats:
+    """One PD instance's transfers since it started. Blocks and bytes are those written to
+    decode instances (prefill) or received (decode). A decode instance also counts the
+    prompts whose blocks arrived, the failed ones (failed, refused or late: recomputed, or
+    the request failed under --pd_on_transfer_failure=error), and the seconds from asking a
+    prefill instance to the blocks' arrival (its prefill and the transfer), per bucket of
+    TRANSFER_BUCKETS_S (not cumulative; the last is +Inf)."""
+
+    blocks: int = 0
+    bytes: int = 0
+    transfers: int = 0
+    failures: int = 0
+    seconds: list[int] = dataclasses.field(
+        default_factory=lambda: [0] * (len(TRANSFER_BUCKETS_S) + 1)
+    )
+    seconds_sum: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.seconds[bisect.bisect_left(TRANSFER_BUCKETS_S, seconds)] += 1
+        self.seconds_sum += seconds
 
 
 class CompatRecord(msgspec.Struct, frozen=True):

@@ -11,8 +11,12 @@ does not cache reserves blocks for them and asks a prefill instance (a thread he
 HTTP) to fill them; the request waits meanwhile. Once written, the blocks are committed
 as prefix-cache entries and the request is scheduled: it computes only its last partial
 block. A transfer that fails or passes --pd_transfer_timeout is aborted and the request
-computes its whole prompt here: slower, never wrong, never lost. A prefill instance whose
-record differs is refused (logged with the field) and not asked again.
+computes its whole prompt here: slower, never wrong, never lost (or, with
+--pd_on_transfer_failure=error, fails with the reason). Each prompt goes to the
+prefill instance with the fewest prompts out from here; one that could not be reached, or
+did not answer within the timeout, is left alone for RETRY_AFTER_S (with none left, every
+prompt is computed here, as on a colocated instance). A prefill instance whose record
+differs is refused (logged with the field) and not asked again.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -32,6 +37,7 @@ from xllm_py.pd.compat import (
     PREFILL_ROUTE,
     TOKEN_HEADER,
     CompatRecord,
+    PDStats,
     compat_record,
     mismatch,
 )
@@ -39,6 +45,11 @@ from xllm_py.pd.transfer import KVTransport, TransferError
 from xllm_py.sampling_params import KVPush
 
 logger = logging.getLogger(__name__)
+RETRY_AFTER_S = 10.0  # a prefill instance that was unreachable or late is not asked meanwhile
+
+
+class PrefillUnreachable(TransferError):
+    """The prefill instance refused the connection or did not answer in time."""
 
 
 def _transport(config: EngineConfig, worker) -> tuple[KVTransport, CompatRecord, list]:
@@ -54,6 +65,7 @@ class PrefillSide:
     def __init__(self, config: EngineConfig, worker) -> None:
         self.transport, self.record, self.caches = _transport(config, worker)
         self.pushes: dict[str, KVPush] = {}
+        self.stats = PDStats()
 
     def push(self, blocks: BlockManager, push: KVPush) -> str | None:
         """Write the finished request's blocks; None, or why they were not written."""
@@ -71,6 +83,8 @@ class PrefillSide:
             )
         except TransferError as e:
             return str(e)
+        self.stats.blocks += len(push.block_ids)
+        self.stats.bytes = self.transport.bytes_written
         return None
 
     def close(self) -> None:
@@ -83,6 +97,7 @@ class _Waiting:
     held: PrefixImport
     future: concurrent.futures.Future
     url: str
+    asked: float  # time.monotonic() when the prefill instance was asked
     cancelled: bool = False
 
 
@@ -90,18 +105,28 @@ class DecodeSide:
     def __init__(self, config: EngineConfig, worker) -> None:
         self.transport, self.record, caches = _transport(config, worker)
         self.addresses = [t.data_ptr() for t in caches]
+        self.bytes_per_block = worker.bytes_per_block
+        self.stats = PDStats()
         self.pd = config.pd
         self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="xllm-pd")
         self.waiting: dict[str, _Waiting] = {}
         self.refused: dict[str, str] = {}  # prefill URL -> why
+        self.resting: dict[str, float] = {}  # prefill URL -> when it may be asked again
         self._turn = 0
 
     def _next_url(self) -> str | None:
-        live = [u for u in self.pd.prefill_urls if u not in self.refused]
+        """The prefill instance with the fewest prompts out from here (ties in turn)."""
+        now = time.monotonic()
+        live = [u for u in self.pd.prefill_urls
+                if u not in self.refused and self.resting.get(u, 0.0) <= now]  # fmt: skip
         if not live:
             return None
         self._turn += 1
-        return live[self._turn % len(live)]
+        turn = self._turn % len(live)
+        out = {u: 0 for u in live}
+        for w in self.waiting.values():
+            out[w.url] = out.get(w.url, 0) + 1
+        return min(live[turn:] + live[:turn], key=out.__getitem__)
 
     def admit(self, blocks: BlockManager, req) -> bool:
         """Start the transfer of `req`'s prompt blocks (True: it waits), or False: nothing
@@ -118,7 +143,7 @@ class DecodeSide:
         push = KVPush(self.transport.session_id, self.addresses, held.block_ids, held.hashes,
                       msgspec.to_builtins(self.record))  # fmt: skip
         future = self.pool.submit(self._ask, url, req.prompt_token_ids, push)
-        self.waiting[req.req_id] = _Waiting(req, held, future, url)
+        self.waiting[req.req_id] = _Waiting(req, held, future, url, time.monotonic())
         return True
 
     def _ask(self, url: str, ids: list[int], push: KVPush) -> None:
@@ -133,19 +158,28 @@ class DecodeSide:
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:500]
             raise TransferError(f"{url} answered {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
+            raise PrefillUnreachable(f"{url} unreachable: {e}") from None
 
-    def settled(self, blocks: BlockManager) -> list:
-        """Requests whose transfer ended (their blocks committed, or aborted to be computed
-        here), to schedule now; cancelled ones are dropped."""
-        out = []
+    def settled(self, blocks: BlockManager) -> tuple[list, list[tuple[str, str]]]:
+        """Requests whose transfer ended, to schedule now: their blocks committed, or
+        aborted to be computed here; and with --pd_on_transfer_failure=error, the failed
+        ones instead, as (request id, why). Cancelled ones are dropped."""
+        out, failed = [], []
         for req_id, w in list(self.waiting.items()):
             if not w.future.done():
                 continue
             del self.waiting[req_id]
             error = w.future.exception()
             if error is None:
+                moved = len(w.held.block_ids)  # (commit_prefix hands them on)
                 blocks.commit_prefix(w.held)
+                self.stats.transfers += 1
+                self.stats.blocks += moved
+                self.stats.bytes += moved * self.bytes_per_block
+                self.stats.observe(time.monotonic() - w.asked)
             else:
+                self.stats.failures += 1
                 blocks.abort_prefix(w.held)
                 why = str(error) or type(error).__name__
                 if "refused:" in why:
@@ -153,9 +187,15 @@ class DecodeSide:
                     logger.error("PD: %s is not compatible, not asked again: %s", w.url, why)
                 else:
                     logger.warning("PD: %s computed here, its transfer failed: %s", req_id, why)
+                if isinstance(error, PrefillUnreachable):
+                    self.resting[w.url] = time.monotonic() + RETRY_AFTER_S
+                if self.pd.on_transfer_failure == "error" and not w.cancelled:
+                    why = f"PD: the prompt's KV blocks did not arrive from {w.url}: {why}"
+                    failed.append((req_id, why))
+                    continue
             if not w.cancelled:
                 out.append(w.req)
-        return out
+        return out, failed
 
     def cancel(self, req_id: str) -> bool:
         w = self.waiting.get(req_id)

@@ -1,0 +1,222 @@
+"""The PD router (`xllm --pd_role=router --pd_decode URL... [--pd_prefill URL...]`): one
+HTTP front for a prefill/decode deployment. It serves no model. Each API request goes to
+the live decode instance with the fewest requests in flight from here, which has the
+prompt prefilled by its prefill instances (pd/roles.py) and streams the answer back
+through the router unchanged.
+
+- **Health.** Every `--pd_health_interval` seconds the router calls each instance's
+  /health. An instance that fails a check (a draining daemon answers 503), or refuses a
+  connection, gets no new requests until it passes one. A request whose decode instance
+  cannot be reached is sent to the next live one; nothing has reached the model then.
+- **A decode instance that dies mid-answer.** Its streamed clients get an error event in
+  their API's shape (and OpenAI's `[DONE]`), the others a 502; new requests go elsewhere.
+- **No live decode instance.** 503 in the API's error shape. Prefill instances are only
+  watched here (/health, /metrics): with none alive, decode instances compute prompts
+  themselves.
+- **/health** is 200 while a decode instance is live; **/metrics** has each instance's
+  state, requests and failures (Prometheus text).
+
+Clients' headers that matter upstream (authorization, x-api-key, anthropic-version,
+content-type, accept) are passed on; each daemon checks its own --api_key."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from xllm_py.config import PDConfig
+
+logger = logging.getLogger(__name__)
+API_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+              "/v1/messages/count_tokens")  # fmt: skip
+PASSED_HEADERS = ("authorization", "x-api-key", "anthropic-version", "anthropic-beta",
+                  "content-type", "accept")  # fmt: skip
+ANSWER_HEADERS = ("content-type", "retry-after", "allow", "cache-control")
+MAX_BODY_BYTES = 64 << 20  # the daemons apply their own, smaller --max_request_body_bytes
+
+
+@dataclass
+class Instance:
+    url: str
+    role: str  # "prefill" | "decode"
+    live: bool = True  # until a check or a connection says otherwise
+    in_flight: int = 0  # requests from here not yet answered in full
+    requests: int = 0
+    failures: int = 0  # connections refused or broken, answers cut short
+    why: str = ""  # the last failure
+
+
+def _error(path: str, status: int, message: str) -> JSONResponse:
+    """An error in the shape of the API at `path` (Anthropic's on /v1/messages)."""
+    if path.startswith("/v1/messages"):
+        kind = "overloaded_error" if status == 503 else "api_error"
+        body = {"type": "error", "error": {"type": kind, "message": message}}
+    else:
+        body = {"error": {"message": message, "type": "server_error", "param": None,
+                          "code": None}}  # fmt: skip
+    return JSONResponse(body, status)
+
+
+def _stream_error(path: str, message: str) -> bytes:
+    """The event that ends a stream cut short, in the API's shape."""
+    if path.startswith("/v1/messages"):
+        event = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+    if path.startswith("/v1/responses"):
+        event = {"type": "error", "code": "server_error", "message": message, "param": None}
+        return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+
+class Router:
+    """The instances, their health and the forwarding (`app()` is its HTTP front)."""
+
+    def __init__(self, pd: PDConfig) -> None:
+        self.pd = pd
+        self.decode = [Instance(u.rstrip("/"), "decode") for u in pd.decode_urls]
+        self.prefill = [Instance(u.rstrip("/"), "prefill") for u in pd.prefill_urls]
+        self.client: httpx.AsyncClient | None = None
+        self._turn = 0
+
+    def pick(self) -> Instance | None:
+        """The live decode instance with the fewest requests in flight (ties in turn)."""
+        live = [i for i in self.decode if i.live]
+        if not live:
+            return None
+        self._turn += 1
+        order = live[self._turn % len(live) :] + live[: self._turn % len(live)]
+        return min(order, key=lambda i: i.in_flight)
+
+    def _down(self, inst: Instance, why: str) -> None:
+        inst.failures += 1
+        inst.why = why
+        if inst.live:
+            logger.warning("PD router: %s %s is down: %s", inst.role, inst.url, why)
+        inst.live = False
+
+    async def check(self, inst: Instance) -> None:
+        try:
+            r = await self.client.get(inst.url + "/health", timeout=max(self.pd.health_interval, 1))
+            ok, why = r.status_code == 200, f"/health answered {r.status_code}"
+        except httpx.HTTPError as e:
+            ok, why = False, f"/health: {type(e).__name__}: {e}"
+        if ok and not inst.live:
+            logger.info("PD router: %s %s is live", inst.role, inst.url)
+            inst.live = True
+        elif not ok:
+            self._down(inst, why)
+
+    async def watch(self) -> None:
+        """Check every instance each health interval, until cancelled."""
+        while True:
+            await asyncio.gather(*(self.check(i) for i in self.decode + self.prefill))
+            await asyncio.sleep(self.pd.health_interval)
+
+    async def forward(self, request: Request) -> Response:
+        path = request.url.path
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return _error(path, 413, f"request body of {declared} bytes exceeds {MAX_BODY_BYTES}")
+        body = await request.body()
+        headers = {h: request.headers[h] for h in PASSED_HEADERS if h in request.headers}
+        tried: list[str] = []
+        while (inst := self.pick()) is not None:
+            upstream = self.client.build_request(
+                request.method, inst.url + path, params=request.query_params, content=body,
+                headers=headers)  # fmt: skip
+            try:
+                answer = await self.client.send(upstream, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                self._down(inst, f"{type(e).__name__}: {e}")
+                tried.append(inst.url)
+                continue  # nothing reached the model: the next live instance
+            except httpx.HTTPError as e:
+                inst.failures, inst.why = inst.failures + 1, f"{type(e).__name__}: {e}"
+                return _error(path, 502, f"decode instance {inst.url} failed: {inst.why}")
+            inst.requests += 1
+            inst.in_flight += 1
+            return StreamingResponse(
+                self._relay(inst, answer, path),
+                status_code=answer.status_code,
+                headers={h: answer.headers[h] for h in ANSWER_HEADERS if h in answer.headers},
+            )
+        where = f" (unreachable: {', '.join(tried)})" if tried else ""
+        return _error(path, 503, f"no live decode instance{where}")
+
+    async def _relay(self, inst: Instance, answer: httpx.Response, path: str):
+        try:
+            async for chunk in answer.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            self._down(inst, f"answer cut short: {type(e).__name__}: {e}")
+            if answer.headers.get("content-type", "").startswith("text/event-stream"):
+                yield _stream_error(path, f"decode instance {inst.url} failed mid-answer")
+        finally:
+            inst.in_flight -= 1
+            await answer.aclose()
+
+    async def models(self, request: Request) -> Response:
+        return await self.forward(request)
+
+    async def health(self, request: Request) -> Response:
+        live = {r: sum(i.live for i in group) for r, group in
+                (("decode", self.decode), ("prefill", self.prefill))}  # fmt: skip
+        return JSONResponse(live, 200 if live["decode"] else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        lines = []
+        for name, kind, help_, value in (
+            ("instance_up", "gauge", "1 while the instance passes its checks", lambda i: i.live),
+            ("in_flight", "gauge", "requests sent and not yet answered in full",
+             lambda i: i.in_flight),
+            ("requests_total", "counter", "requests sent to the instance", lambda i: i.requests),
+            ("failures_total", "counter", "connections refused or broken, answers cut short",
+             lambda i: i.failures),
+        ):  # fmt: skip
+            lines += [f"# HELP xllm_router:{name} {help_}", f"# TYPE xllm_router:{name} {kind}"]
+            lines += [f'xllm_router:{name}{{role="{i.role}",url="{i.url}"}} {int(value(i))}'
+                      for i in self.decode + self.prefill]  # fmt: skip
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        await asyncio.gather(*(self.check(i) for i in self.decode + self.prefill))
+        watcher = asyncio.create_task(self.watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await self.client.aclose()
+
+    def app(self) -> Starlette:
+        routes = [Route(p, self.forward, methods=["POST"]) for p in API_ROUTES]
+        routes += [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, lifespan=self.lifespan)
+
+
+def run_router(a) -> int:
+    """Serve the router of EngineArgs `a` until SIGTERM/SIGINT; the exit code."""
+    import uvicorn
+
+    router = Router(a.pd_config())
+    logger.info("PD router at http://%s:%d: decode %s, prefill %s", a.host, a.port,
+                list(a.pd_decode), list(a.pd_prefill))  # fmt: skip
+    config = uvicorn.Config(router.app(), host=a.host, port=a.port, log_level=a.log_level,
+                            access_log=a.log_level == "debug")  # fmt: skip
+    uvicorn.Server(config).run()
+    return 0
