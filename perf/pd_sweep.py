@@ -4,9 +4,9 @@
     python -m perf.pd_sweep --concurrency 8 --num-prompts 64 --k 0
 
 Each deployment is started on this host with scripts/launch_cluster.sh, warmed up, sent
-the same ShareGPT requests at every --concurrency (perf/bench_serving.py: the prompts at
-their own lengths, long and short mixed, --output-len tokens each, greedy, ignore_eos)
-and stopped:
+the same ShareGPT requests (perf/bench_serving.py: the prompts at their own lengths, long
+and short mixed, --output-len tokens each, greedy, ignore_eos; other prompts at each
+--concurrency, none found in a prefix cache from the level before) and stopped:
     1 daemon     one instance that prefills and decodes
     2 replicas   two colocated instances behind one front (--dp_size=2)
     PD 1P+1D     a prefill and a decode instance behind the PD router (docs/pd.md)
@@ -35,7 +35,9 @@ FLAGS = [  # (flag, type, default, help)
     ("--output-len", int, 64, "output tokens of each request"),
     ("--model", str, None, "checkpoint directory (None: the bundled model)"),
     ("--seed", int, 0, "prompt sampling seed"),
-    ("--extra-args", str, "", "more flags for every instance (launch_cluster.sh's EXTRA_ARGS)"),
+    ("--extra-args", str, "--enable_graph=false", "more flags for every instance "
+     "(launch_cluster.sh's EXTRA_ARGS); eager by default: graph mode's background compiles "
+     "of every instance would share the cores with the benchmark"),
     ("--result-dir", Path, RESULTS / "pd", "output folder"),
 ]  # fmt: skip
 
@@ -72,9 +74,12 @@ def pd_totals(url: str) -> dict[str, float]:
 
 
 def bench(args, url: str, c: int, raw: Path, name: str) -> dict:
+    """bench_serving at concurrency c; each level its own prompts (--seed + its index), so
+    no level finds the one before's prompts in the prefix caches."""
+    seed = args.seed + args.concurrency.index(c)
     argv = ["--base-url", url, "--num-prompts", str(args.num_prompts), "--max-concurrency",
             str(c), "--output-len", str(args.output_len), "--ignore-eos", "--temperature", "0",
-            "--seed", str(args.seed), "--save-result", "--result-dir", str(raw),
+            "--seed", str(seed), "--save-result", "--result-dir", str(raw),
             "--result-filename", f"{name}.json", "--disable-tqdm"]  # fmt: skip
     return bench_serving.run(argv + (["--tokenizer", args.model] if args.model else []))
 
@@ -91,7 +96,7 @@ def run_deployment(args, name: str, port: int, raw: Path) -> list[dict]:
             res = bench(args, daemon.url, c, raw, f"{name.replace(' ', '_')}_c{c}")
             row = {"deployment": name, "concurrency": c, **{k: res[k] for k in (
                 "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
-                "p99_tpot_ms", "completed", "failed", "total_input")}}  # fmt: skip
+                "p99_tpot_ms", "completed", "failed", "total_input_tokens")}}  # fmt: skip
             if before is not None:
                 moved = {k: v - before[k] for k, v in pd_totals(decode_url).items()}
                 n = moved["xllm:pd_transfers_total"] or 1
@@ -148,8 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
          f"{r['transfer_ms_mean']:.0f}" if "transfers" in r else "", r["failed"]]
         for r in rows])  # fmt: skip
     note = (f"ShareGPT prompts at their own lengths, {args.output_len} output tokens each "
-            f"(ignore_eos), greedy, MTP k={args.k}; every deployment in this run, on the same "
-            "prompts.")  # fmt: skip
+            f"(ignore_eos), greedy, MTP k={args.k}, instances eager; every deployment in this "
+            "run, on the same prompts (other ones at each concurrency).")  # fmt: skip
     write_results(args.result_dir, "Prefill/decode disaggregation against colocated serving",
                   cmd, summary["machine"], note, table)  # fmt: skip
     return summary

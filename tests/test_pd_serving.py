@@ -1,22 +1,24 @@
 """Prefill/decode disaggregation served (docs/pd.md): a prefill daemon (--pd_role=prefill)
 and a decode daemon (--pd_role=decode --pd_prefill URL), real processes on loopback, the
 prompts' blocks moved by Mooncake's transfer engine. Through the decode daemon, greedy
-completions equal a colocated daemon's, tokens and logprobs, with MTP (k = 2): the decode
-daemon found every moved block in its prefix cache (its /metrics), so it computed only
-each prompt's last partial block. A decode daemon of another block size is refused at its
-first request, the field named (the client's error under --pd_on_transfer_failure=error),
-and computes its prompts itself; so does the first one
-once the prefill daemon is gone, with the same answers. A prefill call without the
+completions equal a colocated daemon's, tokens and logprobs, with MTP (k = 2), and as many
+drafts are accepted: the decode daemon found every moved block in its prefix cache (its
+/metrics), so it computed only each prompt's last partial block. A decode daemon of
+another block size is refused at its first request, the field named (the client's error
+under --pd_on_transfer_failure=error), and computes its prompts itself; so does the first
+one once the prefill daemon is gone, with the same answers. A prefill call without the
 cluster token is refused.
 
 The router (--pd_role=router) in front of a prefill and two decode daemons serves the
 openai client: completions and chat equal a decode daemon's own answers, streamed and
 not, and a required tool call comes back parsed; requests are spread over both decode
 daemons. A decode daemon killed mid-stream ends its client's stream with an error event
-and [DONE], and the next requests go to the other."""
+and [DONE], and the next requests go to the other; the prefill daemon killed during a
+burst of requests leaves every one of them completing with its answer."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import signal
@@ -24,7 +26,7 @@ import signal
 import openai
 import pytest
 
-from tests.server_utils import HTTP, Server
+from tests.server_utils import HTTP, Server, spec_totals
 from xllm_py import LLM
 from xllm_py.pd import transfer
 from xllm_py.pd.compat import PREFILL_ROUTE
@@ -63,16 +65,33 @@ def assert_same(got, want):
     assert got[1] == pytest.approx(want[1], abs=1e-4)
 
 
-def test_decode_through_a_prefill_instance_is_colocated_decoding(prompts):
+def cut(p: list[int]) -> list[int]:
+    """Another prompt: p less its last half block (its full blocks all but the last)."""
+    return p[: -BLOCK // 2]
+
+
+@pytest.fixture(scope="module")
+def colocated(prompts) -> dict[str, list]:
+    """A colocated daemon's greedy answers to the prompts, whole and cut."""
+    with Server(*FLAGS) as s:
+        whole = [complete(s.url, p) for p in prompts[:3]]
+        drafts = spec_totals(s.url)[:2]  # draft and accepted tokens of the first three
+        whole += [complete(s.url, p) for p in prompts[3:]]
+        return {"whole": whole, "cut": [complete(s.url, cut(p)) for p in prompts],
+                "drafts": drafts}  # fmt: skip
+
+
+def test_decode_through_a_prefill_instance_is_colocated_decoding(prompts, colocated):
     env = {"XLLM_CLUSTER_TOKEN": TOKEN}
-    with Server(*FLAGS) as colocated:
-        want = [complete(colocated.url, p) for p in prompts]
+    want = colocated["whole"]
     with Server(*FLAGS, "--pd_role=prefill", env=env) as prefill:
         with Server(*FLAGS, "--pd_role=decode", f"--pd_prefill={prefill.url}", env=env) as dec:
             for p, w in zip(prompts[:3], want):
                 assert_same(complete(dec.url, p), w)
             moved = sum((len(p) - 1) // BLOCK * BLOCK for p in prompts[:3])  # full blocks' tokens
             assert dec.metric(HITS) == moved > 0  # every full block arrived, none computed
+            # the same drafts accepted: the MTP layer's blocks and the last hidden state too
+            assert spec_totals(dec.url)[:2] == colocated["drafts"]
             blocks = moved // BLOCK
             for side in (dec, prefill):  # received, written
                 assert side.metric("xllm:pd_kv_blocks_total") == blocks
@@ -135,7 +154,9 @@ def kill_mid_stream(router, decodes) -> tuple[list[str], object]:
     return lines, killed
 
 
-def test_the_router_serves_the_openai_client_and_routes_around_a_dead_decode_daemon(prompts):
+def test_the_router_serves_the_openai_client_and_routes_around_a_dead_decode_daemon(
+    prompts, colocated
+):
     env = {"XLLM_CLUSTER_TOKEN": TOKEN}
     tools = ("--tool_call_parser=deepseek_v3", "--enable_auto_tool_choice")
     with contextlib.ExitStack() as stack:
@@ -176,3 +197,12 @@ def test_the_router_serves_the_openai_client_and_routes_around_a_dead_decode_dae
         for _ in range(2):  # both to the live one
             assert chat(client, model) == want
         assert HTTP.get(router.url + "/health", timeout=10).json() == {"decode": 1, "prefill": 1}
+
+        # the prefill daemon killed during a burst of long prompts: every request completes
+        # with its answer (the decode daemon computes what did not arrive), none hangs
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            burst = [pool.submit(complete, router.url, cut(p)) for p in prompts]
+            prefill.stop(signal.SIGKILL)
+            for f, w in zip(burst, colocated["cut"]):
+                assert_same(f.result(timeout=120), w)
+        assert router.metric("xllm_router:instance_up", url=prefill.url) == 0
