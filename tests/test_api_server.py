@@ -185,6 +185,7 @@ def test_prometheus_metrics_after_traffic(mtp_server):
         "xllm:inter_token_latency_seconds_bucket",
         "xllm:e2e_request_latency_seconds_bucket",
         "xllm:request_queue_time_seconds_bucket",
+        "xllm:request_prefill_time_seconds_bucket",
         "xllm:spec_decode_num_drafts_total",
         "xllm:spec_decode_num_draft_tokens_total",
         "xllm:spec_decode_num_accepted_tokens_total",

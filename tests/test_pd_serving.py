@@ -99,6 +99,9 @@ def test_decode_through_a_prefill_instance_is_colocated_decoding(prompts, coloca
             assert dec.metric("xllm:pd_transfers_total") == 3
             assert dec.metric("xllm:pd_transfer_seconds_count") == 3
             assert dec.metric("xllm:pd_transfer_failures_total") == 0
+            # the TTFT split: queue (the transfer's wait included) and prefill, one each
+            for split in ("queue", "prefill"):
+                assert dec.metric(f"xllm:request_{split}_time_seconds_count") == 3
             refused = HTTP.post(prefill.url + PREFILL_ROUTE, json={}, timeout=10)
             assert refused.status_code == 401
             # another block size: refused at the first request, naming the field (an error

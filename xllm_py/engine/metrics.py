@@ -185,7 +185,15 @@ class ServerMetrics:
         self.e2e = hist(
             "xllm:e2e_request_latency_seconds", "Arrival to finish (any reason), seconds."
         )
-        self.queue = hist("xllm:request_queue_time_seconds", "Arrival to first scheduled, seconds.")
+        self.queue = hist(
+            "xllm:request_queue_time_seconds", "Arrival to first scheduled, seconds (on a PD "
+            "decode instance this includes the wait for the prompt's blocks: "
+            "xllm:pd_transfer_seconds)."
+        )  # fmt: skip
+        self.prefill = hist(
+            "xllm:request_prefill_time_seconds", "First scheduled to first generated token, "
+            "seconds: queue + prefill = time to first token."
+        )  # fmt: skip
 
     def attach(self, engine: AsyncEngine) -> None:
         self.registry.register(_StatsCollector(engine, self.model))
@@ -200,6 +208,8 @@ class ServerMetrics:
         if rec.first_token is None:
             rec.first_token = now
             self.ttft.labels(self.model).observe(now - rec.arrival)
+            if rec.scheduled is not None:
+                self.prefill.labels(self.model).observe(now - rec.scheduled)
             n_gaps, gap = 0, 0.0  # tokens arriving with the first one have no gap of their own
         else:
             n_gaps, gap = n, (now - rec.last_token) / n
