@@ -135,6 +135,7 @@ def k8s_objects() -> list[tuple[str, dict]]:
 REQUIRED = {
     "LeaderWorkerSet": ["leaderWorkerTemplate"],
     "Deployment": ["selector", "template"],
+    "StatefulSet": ["selector", "template", "serviceName"],
     "Service": ["selector", "ports"],
     "ServiceMonitor": ["selector", "endpoints"],
 }
@@ -147,7 +148,7 @@ def pod_specs(obj: dict) -> list[tuple[str, dict]]:
             ("leader", lwt["leaderTemplate"]["spec"]),
             ("worker", lwt["workerTemplate"]["spec"]),
         ]
-    if obj["kind"] == "Deployment":
+    if obj["kind"] in ("Deployment", "StatefulSet"):  # one process a pod: its node 0
         return [("leader", obj["spec"]["template"]["spec"])]
     return []
 
@@ -171,7 +172,12 @@ def test_kubernetes_objects_are_complete_and_their_commands_accepted(name, obj, 
         args = accepted([fill(w) for w in c["args"]])
         assert (args.node_rank == 0) == (role == "leader")
         limits = c["resources"]["limits"] if "resources" in c else {}
-        assert args.devices.split(":")[0] == ("npu" if "huawei.com/Ascend910" in limits else "cuda")
+        if args.pd_role == "router":  # no model, no device
+            assert not limits and args.pd_config().decode_urls
+        else:
+            assert args.devices.split(":")[0] == (
+                "npu" if "huawei.com/Ascend910" in limits else "cuda"
+            )
         for probe in ("readinessProbe", "livenessProbe"):
             if probe in c:
                 assert c[probe]["httpGet"]["path"] in routes
@@ -198,3 +204,22 @@ def test_a_wrong_flag_is_caught():
         accepted(["--model", "/m", "--num_speculative_tokenz", "1"])
     with pytest.raises(ValueError, match="node_rank"):
         accepted(["--nnodes=2", "--node_rank=2", "--master_node_addr=h:1"])
+
+
+def test_the_pd_example_names_every_instance_it_starts():
+    """k8s/pd-gpu.yaml: the router's --pd_decode and --pd_prefill, and each decode
+    instance's --pd_prefill, are exactly the StatefulSets' pods (name-i.service:port)."""
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "pd-gpu.yaml").read_text()) if d]
+    pods, args = {}, {}
+    for d in docs:
+        if d["kind"] in ("StatefulSet", "Deployment"):
+            (c,) = d["spec"]["template"]["spec"]["containers"]
+            a = accepted([fill(w) for w in c["args"]])
+            args[a.pd_role] = a
+        if d["kind"] == "StatefulSet":
+            name, spec = d["metadata"]["name"], d["spec"]
+            pods[name] = [f"http://{name}-{i}.{spec['serviceName']}:{a.port}"
+                          for i in range(spec["replicas"])]  # fmt: skip
+    assert args["router"].pd_decode == pods["xllm-decode"]
+    assert args["router"].pd_prefill == args["decode"].pd_prefill == pods["xllm-prefill"]
+    assert args["decode"].pd_transfer_host == args["prefill"].pd_transfer_host == ENV["POD_IP"]
