@@ -385,7 +385,8 @@ node_words() {  # node_words RANK PYTHON: sets WORDS, the command line of node R
     mapfile -t decode < <(pd_urls $((1 + PD_PREFILL)) "$PD_DECODE")
     mapfile -t prefill < <(pd_urls 1 "$PD_PREFILL")
     WORDS=(setsid nohup "$py" -m xllm_py --pd_role=router --host "$HOST" --port "$START_PORT"
-           --pd_decode "${decode[@]}" --pd_prefill "${prefill[@]}")
+           --pd_decode "${decode[@]}" --pd_prefill "${prefill[@]}"
+           --cluster_token_file="$(node_token_file "$i")")
     return 0
   fi
   cluster=(--master_node_addr="$MASTER_NODE_ADDR" --nnodes="$NNODES" --ep_size="$EP_SIZE"

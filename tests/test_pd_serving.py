@@ -7,7 +7,8 @@ drafts are accepted: the decode daemon found every moved block in its prefix cac
 another block size is refused at its first request, the field named (the client's error
 under --pd_on_transfer_failure=error), and computes its prompts itself; so does the first
 one once the prefill daemon is gone, with the same answers. A prefill call without the
-cluster token is refused.
+cluster token is refused; a router's choice of prefill instance counts only with the
+token and only among the decode daemon's --pd_prefill.
 
 The router (--pd_role=router) in front of a prefill and two decode daemons serves the
 openai client: completions and chat equal a decode daemon's own answers, streamed and
@@ -29,7 +30,7 @@ import pytest
 from tests.server_utils import HTTP, Server, spec_totals
 from xllm_py import LLM
 from xllm_py.pd import transfer
-from xllm_py.pd.compat import PREFILL_ROUTE
+from xllm_py.pd.compat import PREFILL_HEADER, PREFILL_ROUTE, TOKEN_HEADER
 from xllm_py.sharegpt import held_out_user_turns
 
 try:
@@ -52,9 +53,9 @@ def prompts():
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
 
 
-def complete(url: str, ids: list[int]) -> tuple[list[str], list[float]]:
+def complete(url: str, ids: list[int], headers=None) -> tuple[list[str], list[float]]:
     body = {"prompt": ids, "max_tokens": 16, "temperature": 0, "logprobs": 1, "ignore_eos": True}
-    r = HTTP.post(url + "/v1/completions", json=body, timeout=120)
+    r = HTTP.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]
     return lp["tokens"], lp["token_logprobs"]
@@ -104,6 +105,18 @@ def test_decode_through_a_prefill_instance_is_colocated_decoding(prompts, coloca
                 assert dec.metric(f"xllm:request_{split}_time_seconds_count") == 3
             refused = HTTP.post(prefill.url + PREFILL_ROUTE, json={}, timeout=10)
             assert refused.status_code == 401
+            # a router's choice of prefill instance counts only from a caller with the
+            # token, and only among --pd_prefill; "" (none live) has the prompt computed here
+            fresh = (prompts[0] * 3)[::-1]  # blocks nobody has seen, 40 tokens a prompt
+            spoofed = {PREFILL_HEADER: "http://127.0.0.1:9", TOKEN_HEADER: TOKEN}
+            complete(dec.url, fresh[:40], spoofed)  # not one of --pd_prefill: its own choice
+            assert dec.metric("xllm:pd_transfers_total") == 4
+            complete(dec.url, fresh[40:80], {PREFILL_HEADER: ""})  # without the token
+            assert dec.metric("xllm:pd_transfers_total") == 5
+            complete(dec.url, fresh[80:120], {PREFILL_HEADER: "", TOKEN_HEADER: TOKEN})
+            assert dec.metric("xllm:pd_transfers_total") == 5  # computed here, nobody asked
+            assert dec.metric("xllm:pd_transfer_failures_total") == 0
+            hits = dec.metric(HITS)
             # another block size: refused at the first request, naming the field (an error
             # for the client under --pd_on_transfer_failure=error), and the decode daemon
             # computes its prompts itself from then on
@@ -120,7 +133,7 @@ def test_decode_through_a_prefill_instance_is_colocated_decoding(prompts, coloca
             prefill.stop()
             for p, w in zip(prompts[3:], want[3:]):  # no prefill instance left: computed here
                 assert_same(complete(dec.url, p), w)
-            assert dec.metric(HITS) == moved
+            assert dec.metric(HITS) == hits
             assert "computed here, its transfer failed" in dec.output()
             assert dec.metric("xllm:pd_transfer_failures_total") >= 1
 
@@ -187,7 +200,7 @@ def test_the_router_serves_the_openai_client_and_routes_around_a_dead_decode_dae
         )  # fmt: skip
         (tc,) = call.choices[0].message.tool_calls
         assert tc.function.name == "get_weather" and "city" in json.loads(tc.function.arguments)
-        for d in decodes:  # least loaded, ties in turn: both served some
+        for d in [*decodes, prefill]:  # least loaded, ties in turn: both decoders served
             assert router.metric("xllm_router:requests_total", url=d.url) > 0
 
         lines, killed = kill_mid_stream(router, decodes)

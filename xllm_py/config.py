@@ -811,6 +811,8 @@ class PDConfig:
     def __post_init__(self) -> None:
         if self.role not in PD_ROLES:
             raise ValueError(f"pd_role={self.role!r} must be one of {PD_ROLES}")
+        for name in ("prefill_urls", "decode_urls"):  # one spelling: no trailing slash
+            object.__setattr__(self, name, tuple(u.rstrip("/") for u in getattr(self, name)))
         if self.role == "decode" and not self.prefill_urls:
             raise ValueError("pd_role='decode' needs --pd_prefill: the prefill instances' URLs")
         if self.role == "router" and not self.decode_urls:

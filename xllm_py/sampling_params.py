@@ -68,6 +68,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     kv_push: KVPush | None = None  # internal: the PD prefill route's (KVPush)
+    # internal, on a PD decode instance: the prefill instance the router chose (a URL of
+    # --pd_prefill; "" when it saw none live: computed here); None: the instance chooses
+    kv_source: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

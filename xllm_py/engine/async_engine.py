@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from xllm_py.config import ModelConfig
 from xllm_py.engine.engine_client import (
@@ -40,6 +40,7 @@ from xllm_py.engine.llm_engine import LLMEngine
 from xllm_py.engine.outputs import CompletionOutput, RequestOutput
 from xllm_py.engine.scheduler import SchedulerStats
 from xllm_py.engine.tokenizer import Tokenizer
+from xllm_py.pd.compat import CHOSEN_PREFILL
 from xllm_py.sampling_params import SamplingParams
 
 __all__ = [
@@ -264,6 +265,8 @@ class AsyncEngine:
     ) -> AsyncIterator[Update]:
         """Updates for one request until it finishes. Closing the iterator early (client
         gone, task cancelled) aborts the request and frees its blocks."""
+        if (chosen := CHOSEN_PREFILL.get()) is not None:  # PD: the router chose (pd/route.py)
+            sampling = replace(sampling, kv_source=chosen)
         record = RequestRecord(time.monotonic(), len(ids))
         stream = _Stream(asyncio.get_running_loop(), record, sampling)
         with self._lock:  # `dead` is set under the same lock, so no request slips past _die

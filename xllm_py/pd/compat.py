@@ -10,6 +10,7 @@ the cluster token, and `PDStats`, the transfer counters /metrics reads.
 from __future__ import annotations
 
 import bisect
+import contextvars
 import dataclasses
 import hashlib
 import json
@@ -20,6 +21,13 @@ from xllm_py.config import EngineConfig
 
 PREFILL_ROUTE = "/pd/prefill"  # a prefill instance's route, which decode instances call
 TOKEN_HEADER = "x-xllm-cluster-token"  # the cluster token on that call
+# The router's choice of prefill instance for a request it forwards to a decode instance
+# (a URL, or "" for none live); the decode instance's HTTP layer puts a valid one here
+# for the request's handler (pd/route.py), and AsyncEngine.generate into its sampling.
+PREFILL_HEADER = "x-xllm-pd-prefill"
+CHOSEN_PREFILL: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "xllm_pd_chosen_prefill", default=None
+)
 # upper bounds (s) of the transfer-latency histogram's buckets, then +Inf
 TRANSFER_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

@@ -130,8 +130,13 @@ class DecodeSide:
 
     def admit(self, blocks: BlockManager, req) -> bool:
         """Start the transfer of `req`'s prompt blocks (True: it waits), or False: nothing
-        to move (cached here already, no room, no prefill instance left)."""
-        url = self._next_url()
+        to move (cached here already, no room, no prefill instance left, or the router
+        saw none live). The router's choice wins unless it failed here meanwhile."""
+        chosen = req.sampling.kv_source
+        if chosen == "":
+            return False
+        usable = chosen not in self.refused and self.resting.get(chosen, 0.0) <= time.monotonic()
+        url = chosen if chosen is not None and usable else self._next_url()
         if url is None:
             return False
         held = blocks.reserve_prefix(blocks.prompt_hashes(req.prompt_token_ids))

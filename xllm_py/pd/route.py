@@ -1,5 +1,6 @@
 """The PD control plane over HTTP: a prefill instance's `POST /pd/prefill`, which a decode
-instance calls with a prompt and where to write its blocks (xllm_py/pd/roles.py). It
+instance calls with a prompt and where to write its blocks (xllm_py/pd/roles.py), and a
+decode instance's reading of the router's choice of prefill instance (RouterChoice). It
 carries the cluster token when one is set (--cluster_token_file, --cluster_token or
 XLLM_CLUSTER_TOKEN); a call without it is refused and logged."""
 
@@ -15,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from xllm_py.config import EngineConfig, PDConfig
-from xllm_py.pd.compat import PREFILL_ROUTE, TOKEN_HEADER
+from xllm_py.pd.compat import CHOSEN_PREFILL, PREFILL_HEADER, PREFILL_ROUTE, TOKEN_HEADER
 from xllm_py.sampling_params import KVPush, SamplingParams
 from xllm_py.tokens import read_token
 
@@ -37,8 +38,38 @@ def with_token(config: EngineConfig, a) -> EngineConfig:
     return dataclasses.replace(config, pd=dataclasses.replace(config.pd, token=token))
 
 
+class RouterChoice:
+    """ASGI middleware of a decode instance: a request carrying the router's choice of
+    prefill instance (PREFILL_HEADER) has it in CHOSEN_PREFILL while it is handled, if the
+    choice is one of --pd_prefill (or "": none) and, with a cluster token set, the request
+    carries the token; anything else is ignored, so a client cannot make the instance
+    call an address of its choosing."""
+
+    def __init__(self, app, pd: PDConfig) -> None:
+        self.app, self.pd = app, pd
+        self.allowed = {"", *(u.rstrip("/") for u in pd.prefill_urls)}
+
+    async def __call__(self, scope, receive, send):
+        chosen = None
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            given = headers.get(PREFILL_HEADER.encode())
+            token = headers.get(TOKEN_HEADER.encode(), b"")
+            trusted = not self.pd.token or hmac.compare_digest(token, self.pd.token.encode())
+            if given is not None and trusted and given.decode() in self.allowed:
+                chosen = given.decode()
+        reset = CHOSEN_PREFILL.set(chosen)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CHOSEN_PREFILL.reset(reset)
+
+
 def attach(app: FastAPI, engine, pd: PDConfig) -> None:
-    """Add the prefill route to a prefill instance's app (nothing for other roles)."""
+    """Add the prefill route to a prefill instance's app, the router's choice to a decode
+    instance's (nothing for other roles)."""
+    if pd.role == "decode":
+        app.add_middleware(RouterChoice, pd=pd)
     if pd.role != "prefill":
         return
 

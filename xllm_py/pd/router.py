@@ -1,8 +1,9 @@
 """The PD router (`xllm --pd_role=router --pd_decode URL... [--pd_prefill URL...]`): one
 HTTP front for a prefill/decode deployment. It serves no model. Each API request goes to
-the live decode instance with the fewest requests in flight from here, which has the
-prompt prefilled by its prefill instances (pd/roles.py) and streams the answer back
-through the router unchanged.
+the live decode instance with the fewest requests in flight from here, told which prefill
+instance to have the prompt prefilled by (PREFILL_HEADER: the live one with the fewest
+prompts out from here, or none; pd/roles.py), and its answer streams back through the
+router unchanged. The router's calls carry the cluster token when one is set.
 
 - **Health.** Every `--pd_health_interval` seconds the router calls each instance's
   /health. An instance that fails a check (a draining daemon answers 503), or refuses a
@@ -10,9 +11,8 @@ through the router unchanged.
   cannot be reached is sent to the next live one; nothing has reached the model then.
 - **A decode instance that dies mid-answer.** Its streamed clients get an error event in
   their API's shape (and OpenAI's `[DONE]`), the others a 502; new requests go elsewhere.
-- **No live decode instance.** 503 in the API's error shape. Prefill instances are only
-  watched here (/health, /metrics): with none alive, decode instances compute prompts
-  themselves.
+- **No live decode instance.** 503 in the API's error shape. With no live prefill
+  instance, decode instances are told to compute prompts themselves.
 - **/health** is 200 while a decode instance is live; **/metrics** has each instance's
   state, requests and failures (Prometheus text).
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -34,10 +35,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from xllm_py.config import PDConfig
+from xllm_py.pd.compat import PREFILL_HEADER, TOKEN_HEADER
 
 logger = logging.getLogger(__name__)
-API_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-              "/v1/messages/count_tokens")  # fmt: skip
+GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+API_ROUTES = (*GENERATING, "/v1/messages/count_tokens")
 PASSED_HEADERS = ("authorization", "x-api-key", "anthropic-version", "anthropic-beta",
                   "content-type", "accept")  # fmt: skip
 ANSWER_HEADERS = ("content-type", "retry-after", "allow", "cache-control")
@@ -83,19 +85,19 @@ class Router:
 
     def __init__(self, pd: PDConfig) -> None:
         self.pd = pd
-        self.decode = [Instance(u.rstrip("/"), "decode") for u in pd.decode_urls]
-        self.prefill = [Instance(u.rstrip("/"), "prefill") for u in pd.prefill_urls]
+        self.decode = [Instance(u, "decode") for u in pd.decode_urls]
+        self.prefill = [Instance(u, "prefill") for u in pd.prefill_urls]
         self.client: httpx.AsyncClient | None = None
-        self._turn = 0
+        self._turns = {"decode": 0, "prefill": 0}
 
-    def pick(self) -> Instance | None:
-        """The live decode instance with the fewest requests in flight (ties in turn)."""
-        live = [i for i in self.decode if i.live]
+    def pick(self, group: list[Instance]) -> Instance | None:
+        """The live instance of `group` with the fewest requests in flight (ties in turn)."""
+        live = [i for i in group if i.live]
         if not live:
             return None
-        self._turn += 1
-        order = live[self._turn % len(live) :] + live[: self._turn % len(live)]
-        return min(order, key=lambda i: i.in_flight)
+        role = live[0].role
+        self._turns[role] = turn = (self._turns[role] + 1) % len(live)
+        return min(live[turn:] + live[:turn], key=lambda i: i.in_flight)
 
     def _down(self, inst: Instance, why: str) -> None:
         inst.failures += 1
@@ -123,14 +125,32 @@ class Router:
             await asyncio.sleep(self.pd.health_interval)
 
     async def forward(self, request: Request) -> Response:
+        """Send the request to a decode instance (with the prefill instance chosen for it
+        in PREFILL_HEADER), and stream its answer back."""
         path = request.url.path
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             return _error(path, 413, f"request body of {declared} bytes exceeds {MAX_BODY_BYTES}")
         body = await request.body()
         headers = {h: request.headers[h] for h in PASSED_HEADERS if h in request.headers}
-        tried: list[str] = []
-        while (inst := self.pick()) is not None:
+        if self.pd.token:
+            headers[TOKEN_HEADER] = self.pd.token
+        prefill = None
+        if path in GENERATING:  # in flight until the answer's first bytes
+            prefill = self.pick(self.prefill)
+            headers[PREFILL_HEADER] = prefill.url if prefill is not None else ""
+            if prefill is not None:
+                prefill.requests += 1
+                prefill.in_flight += 1
+        try:
+            return await self._send(request, body, headers, prefill)
+        except BaseException:
+            self._done(prefill)
+            raise
+
+    async def _send(self, request, body, headers, prefill) -> Response:
+        path, tried = request.url.path, []
+        while (inst := self.pick(self.decode)) is not None:
             upstream = self.client.build_request(
                 request.method, inst.url + path, params=request.query_params, content=body,
                 headers=headers)  # fmt: skip
@@ -142,26 +162,37 @@ class Router:
                 continue  # nothing reached the model: the next live instance
             except httpx.HTTPError as e:
                 inst.failures, inst.why = inst.failures + 1, f"{type(e).__name__}: {e}"
+                self._done(prefill)
                 return _error(path, 502, f"decode instance {inst.url} failed: {inst.why}")
             inst.requests += 1
             inst.in_flight += 1
             return StreamingResponse(
-                self._relay(inst, answer, path),
+                self._relay(inst, answer, path, prefill),
                 status_code=answer.status_code,
                 headers={h: answer.headers[h] for h in ANSWER_HEADERS if h in answer.headers},
             )
         where = f" (unreachable: {', '.join(tried)})" if tried else ""
+        self._done(prefill)
         return _error(path, 503, f"no live decode instance{where}")
 
-    async def _relay(self, inst: Instance, answer: httpx.Response, path: str):
+    @staticmethod
+    def _done(prefill: Instance | None) -> None:
+        """The request's prefill is over (or never happened): the prefill instance's load."""
+        if prefill is not None and prefill.in_flight > 0:
+            prefill.in_flight -= 1
+
+    async def _relay(self, inst: Instance, answer: httpx.Response, path: str, prefill):
         try:
             async for chunk in answer.aiter_raw():
+                self._done(prefill)  # the first bytes: the prompt was prefilled
+                prefill = None
                 yield chunk
         except httpx.HTTPError as e:
             self._down(inst, f"answer cut short: {type(e).__name__}: {e}")
             if answer.headers.get("content-type", "").startswith("text/event-stream"):
                 yield _stream_error(path, f"decode instance {inst.url} failed mid-answer")
         finally:
+            self._done(prefill)
             inst.in_flight -= 1
             await answer.aclose()
 
@@ -213,10 +244,14 @@ def run_router(a) -> int:
     """Serve the router of EngineArgs `a` until SIGTERM/SIGINT; the exit code."""
     import uvicorn
 
-    router = Router(a.pd_config())
+    from xllm_py.tokens import read_token
+
+    token = read_token(a.secret("cluster_token"), a.cluster_token_file)
+    router = Router(dataclasses.replace(a.pd_config(), token=token))
     logger.info("PD router at http://%s:%d: decode %s, prefill %s", a.host, a.port,
                 list(a.pd_decode), list(a.pd_prefill))  # fmt: skip
     config = uvicorn.Config(router.app(), host=a.host, port=a.port, log_level=a.log_level,
                             access_log=a.log_level == "debug")  # fmt: skip
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check
     uvicorn.Server(config).run()
     return 0
