@@ -53,7 +53,7 @@ class Instance:
     live: bool = True  # until a check or a connection says otherwise
     in_flight: int = 0  # requests from here not yet answered in full
     requests: int = 0
-    failures: int = 0  # connections refused or broken, answers cut short
+    failures: int = 0  # times found down (a failed check, connection or answer)
     why: str = ""  # the last failure
 
 
@@ -100,9 +100,10 @@ class Router:
         return min(live[turn:] + live[:turn], key=lambda i: i.in_flight)
 
     def _down(self, inst: Instance, why: str) -> None:
-        inst.failures += 1
+        """Mark `inst` down (counted and logged once, until it passes a check again)."""
         inst.why = why
         if inst.live:
+            inst.failures += 1
             logger.warning("PD router: %s %s is down: %s", inst.role, inst.url, why)
         inst.live = False
 
@@ -211,8 +212,8 @@ class Router:
             ("in_flight", "gauge", "requests sent and not yet answered in full",
              lambda i: i.in_flight),
             ("requests_total", "counter", "requests sent to the instance", lambda i: i.requests),
-            ("failures_total", "counter", "connections refused or broken, answers cut short",
-             lambda i: i.failures),
+            ("failures_total", "counter", "times the instance was found down: a failed check, "
+             "a refused connection, an answer cut short", lambda i: i.failures),
         ):  # fmt: skip
             lines += [f"# HELP xllm_router:{name} {help_}", f"# TYPE xllm_router:{name} {kind}"]
             lines += [f'xllm_router:{name}{{role="{i.role}",url="{i.url}"}} {int(value(i))}'
