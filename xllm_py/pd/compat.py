@@ -32,6 +32,13 @@ CHOSEN_PREFILL: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 TRANSFER_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+def fewest(candidates: list, load, turn: int):
+    """The candidate with the least `load(c)`; ties go to the first from index `turn` on
+    (turn taken modulo the count: callers advance it to spread ties in turn)."""
+    turn %= len(candidates)
+    return min(candidates[turn:] + candidates[:turn], key=load)
+
+
 @dataclasses.dataclass
 class PDStats:
     """One PD instance's transfers since it started. Blocks and bytes are those written to

@@ -39,6 +39,7 @@ from xllm_py.pd.compat import (
     CompatRecord,
     PDStats,
     compat_record,
+    fewest,
     mismatch,
 )
 from xllm_py.pd.transfer import KVTransport, TransferError
@@ -114,19 +115,20 @@ class DecodeSide:
         self.resting: dict[str, float] = {}  # prefill URL -> when it may be asked again
         self._turn = 0
 
+    def _usable(self, url: str) -> bool:
+        """Not refused, and not resting after a failure."""
+        return url not in self.refused and self.resting.get(url, 0.0) <= time.monotonic()
+
     def _next_url(self) -> str | None:
         """The prefill instance with the fewest prompts out from here (ties in turn)."""
-        now = time.monotonic()
-        live = [u for u in self.pd.prefill_urls
-                if u not in self.refused and self.resting.get(u, 0.0) <= now]  # fmt: skip
+        live = [u for u in self.pd.prefill_urls if self._usable(u)]
         if not live:
             return None
         self._turn += 1
-        turn = self._turn % len(live)
         out = {u: 0 for u in live}
         for w in self.waiting.values():
             out[w.url] = out.get(w.url, 0) + 1
-        return min(live[turn:] + live[:turn], key=out.__getitem__)
+        return fewest(live, out.__getitem__, self._turn)
 
     def admit(self, blocks: BlockManager, req) -> bool:
         """Start the transfer of `req`'s prompt blocks (True: it waits), or False: nothing
@@ -135,8 +137,7 @@ class DecodeSide:
         chosen = req.sampling.kv_source
         if chosen == "":
             return False
-        usable = chosen not in self.refused and self.resting.get(chosen, 0.0) <= time.monotonic()
-        url = chosen if chosen is not None and usable else self._next_url()
+        url = chosen if chosen is not None and self._usable(chosen) else self._next_url()
         if url is None:
             return False
         held = blocks.reserve_prefix(blocks.prompt_hashes(req.prompt_token_ids))
@@ -156,7 +157,7 @@ class DecodeSide:
         headers = {"content-type": "application/json"}
         if self.pd.token:
             headers[TOKEN_HEADER] = self.pd.token
-        request = urllib.request.Request(url.rstrip("/") + PREFILL_ROUTE, body, headers)
+        request = urllib.request.Request(url + PREFILL_ROUTE, body, headers)
         try:
             with urllib.request.urlopen(request, timeout=self.pd.transfer_timeout) as r:
                 r.read()

@@ -47,7 +47,7 @@ class RouterChoice:
 
     def __init__(self, app, pd: PDConfig) -> None:
         self.app, self.pd = app, pd
-        self.allowed = {"", *(u.rstrip("/") for u in pd.prefill_urls)}
+        self.allowed = {"", *pd.prefill_urls}
 
     async def __call__(self, scope, receive, send):
         chosen = None

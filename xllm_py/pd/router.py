@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from xllm_py.config import PDConfig
-from xllm_py.pd.compat import PREFILL_HEADER, TOKEN_HEADER
+from xllm_py.pd.compat import PREFILL_HEADER, TOKEN_HEADER, fewest
 
 logger = logging.getLogger(__name__)
 GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
@@ -96,8 +96,8 @@ class Router:
         if not live:
             return None
         role = live[0].role
-        self._turns[role] = turn = (self._turns[role] + 1) % len(live)
-        return min(live[turn:] + live[:turn], key=lambda i: i.in_flight)
+        self._turns[role] += 1
+        return fewest(live, lambda i: i.in_flight, self._turns[role])
 
     def _down(self, inst: Instance, why: str) -> None:
         """Mark `inst` down (counted and logged once, until it passes a check again)."""
@@ -197,9 +197,6 @@ class Router:
             inst.in_flight -= 1
             await answer.aclose()
 
-    async def models(self, request: Request) -> Response:
-        return await self.forward(request)
-
     async def health(self, request: Request) -> Response:
         live = {r: sum(i.live for i in group) for r, group in
                 (("decode", self.decode), ("prefill", self.prefill))}  # fmt: skip
@@ -234,7 +231,7 @@ class Router:
     def app(self) -> Starlette:
         routes = [Route(p, self.forward, methods=["POST"]) for p in API_ROUTES]
         routes += [
-            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models", self.forward, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
