@@ -334,9 +334,9 @@ def test_tool_help_names_every_flag(capsys):
         quantize_main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--input-dir", "--output-dir", "--force"):
+    for flag in ("--input-dir", "--output-dir", "--force", "--fp8-dense"):
         assert flag in text
-    assert text.count("\n  -") == 4  # -h and the three flags, each with its help
+    assert text.count("\n  -") == 5  # -h and the four flags, each with its help
 
 
 def write_v4(path: Path, tensors: dict[str, torch.Tensor], shards: int = 1, **cfg) -> Path:

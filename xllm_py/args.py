@@ -105,9 +105,11 @@ class EngineArgs:
         "held: fp8 (FP8 checkpoints: resident with their block scales; block-scaled FP8 GEMM "
         "on CUDA where available, else dequantised per matmul), int4 (INT4 pack-quantized "
         "routed experts, Kimi-K2-Thinking's: kept packed with their group scales, about 0.28 "
-        "of their bf16 bytes, unpacked per matmul), bf16 or float32 (dequantised at load; "
-        "must equal --dtype); auto = fp8 where the device has a block-scaled FP8 GEMM, int4 "
-        "on CUDA (both with graph mode off), else dequantised at load")  # fmt: skip
+        "of their bf16 bytes, unpacked per matmul), fp4 (DeepSeek-V4's FP4 routed experts: "
+        "kept packed, about 0.27 of their bf16 bytes, unpacked per matmul), bf16 or float32 "
+        "(dequantised at load; must equal --dtype); auto = fp8 where the device has a "
+        "block-scaled FP8 GEMM, int4 on CUDA (both with graph mode off), else dequantised "
+        "at load (DeepSeek-V4's weights always)")  # fmt: skip
     attention_backend: str = option("auto", "model", "MLA attention kernel: torch (block-"
         "wise over the paged cache), triton (the Triton paged-MLA kernel, in place, split-KV), "
         "flashinfer or flashmla (named, adapters not written yet). auto = triton on CUDA (and "
@@ -449,7 +451,7 @@ class EngineArgs:
         if self.enable_graph is not None:
             return self.enable_graph
         on_cpu = self.devices.startswith("cpu") and self.dtype in ("auto", "float32")
-        return on_cpu and not self.is_cluster and self.weight_dtype not in ("fp8", "int4")
+        return on_cpu and not self.is_cluster and self.weight_dtype not in ("fp8", "int4", "fp4")
 
     def engine_config(self):
         """The layered EngineConfig (each part checks itself; a cluster checks that the

@@ -437,16 +437,20 @@ class ModelConfig:
     @classmethod
     def _from_v4(cls, cfg: dict[str, Any], path: str) -> ModelConfig:
         """DeepSeek-V4: the fields the engine reads; V3's MLA, MLP and routing ones are 0.
-        Quantised checkpoints (the release's FP8 attention and FP4 experts) are refused."""
+        The release's quantisation (block-FP8 e4m3, `expert_dtype` for the routed experts:
+        top-level in V4's config.json, inside quantization_config in V4.1's) is read as one
+        quantization_config, V4.1's form."""
         for name in _V4_REQUIRED:
             if cfg.get(name) is None:
                 raise ValueError(f"config.json is missing the field {name!r} ({DEEPSEEK_V4})")
-        quant = cfg.get("quantization_config") or cfg.get("expert_dtype")
-        if quant:
+        quant = dict(cfg.get("quantization_config") or {})
+        if cfg.get("expert_dtype") is not None:
+            quant.setdefault("expert_dtype", cfg["expert_dtype"])
+        if quant and quant.get("quant_method") != "fp8":
             raise ValueError(
-                f"config.json quantization_config / expert_dtype ({quant!r}): {DEEPSEEK_V4} "
-                "is served from unquantised (bf16 / float32) checkpoints only; quantised "
-                "(FP8 / FP4) V4 weights are not loaded yet"
+                f"config.json quantization_config.quant_method={quant.get('quant_method')!r} "
+                f"with {DEEPSEEK_V4}: only the release's 'fp8' (block-FP8 e4m3 weights, "
+                "expert_dtype for the routed experts) is read"
             )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -473,6 +477,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            quantization_config=quant or None,
             raw=cfg,
         )
 
@@ -758,17 +763,18 @@ class DeviceConfig:
     def _check_weight_dtype(self) -> None:
         wd = {"bf16": "bfloat16", "fp32": "float32"}.get(self.weight_dtype, self.weight_dtype)
         object.__setattr__(self, "weight_dtype", wd)
-        if wd not in ("auto", "fp8", "int4", "bfloat16", "float32"):
+        if wd not in ("auto", "fp8", "int4", "fp4", "bfloat16", "float32"):
             raise ValueError(
-                f"weight_dtype={wd!r} must be auto, fp8, int4, bf16 (bfloat16) or float32"
+                f"weight_dtype={wd!r} must be auto, fp8, int4, fp4, bf16 (bfloat16) or float32"
             )
-        if wd in ("fp8", "int4") and self.enable_graph:
-            held = {"fp8": "FP8-resident weights", "int4": "packed INT4 experts"}[wd]
+        if wd in ("fp8", "int4", "fp4") and self.enable_graph:
+            held = {"fp8": "FP8-resident weights", "int4": "packed INT4 experts",
+                    "fp4": "packed FP4 experts"}[wd]  # fmt: skip
             raise ValueError(
                 f"weight_dtype={wd} with enable_graph=True is not implemented ({held} run "
                 "eager); use weight_dtype=bf16 for graph mode"
             )
-        if wd not in ("auto", "fp8", "int4") and wd != self.dtype_name:
+        if wd not in ("auto", "fp8", "int4", "fp4") and wd != self.dtype_name:
             raise ValueError(
                 f"weight_dtype={wd}: dequantised weights take the run dtype, which is "
                 f"{self.dtype_name} (set dtype={wd} too)"
@@ -874,6 +880,11 @@ class EngineConfig:
             )
         if self.model.is_v4:
             self._check_v4()
+        elif self.device.weight_dtype == "fp4":
+            raise ValueError(
+                f"weight_dtype=fp4 with {self.model.architecture}: packed FP4 experts are "
+                f"DeepSeek-V4's ({DEEPSEEK_V4} with expert_dtype fp4)"
+            )
         if self.pd.role != "both" and not self.cache.enable_prefix_cache:
             raise ValueError(
                 f"pd_role={self.pd.role!r} needs the prefix cache (--enable_prefix_cache): "
@@ -920,4 +931,15 @@ class EngineConfig:
             raise ValueError(
                 f"enable_graph=True with {DEEPSEEK_V4}: V4's attention runs eager only "
                 "(--enable_graph=false)"
+            )
+        wd, experts = self.device.weight_dtype, (self.model.quantization_config or {})
+        if wd in ("fp8", "int4"):
+            raise ValueError(
+                f"weight_dtype={wd} with {DEEPSEEK_V4}: its FP8 weights are dequantised at "
+                "load, and only FP4 routed experts can be kept packed (weight_dtype=fp4)"
+            )
+        if wd == "fp4" and experts.get("expert_dtype") != "fp4":
+            raise ValueError(
+                "weight_dtype=fp4: this checkpoint's routed experts are not FP4 (config.json "
+                f"expert_dtype: {experts.get('expert_dtype')!r}); use weight_dtype=auto"
             )

@@ -37,10 +37,12 @@ batch's layout in the cache arrives through `models.context`; it returns the str
 the head's collapse (`hc_head`, `norm`: `compute_logits` applies them), since the MTP draft
 (models/deepseek_v4_mtp.py) drafts from the streams. Checked against HF transformers'
 `DeepseekV4ForCausalLM` (tests/test_deepseek_v4.py, one request in chunks) and through
-the engine (tests/test_deepseek_v4_engine.py). Not here: tensor / expert parallelism,
-graph mode, quantised (FP8 / FP4) checkpoints; config.py and the worker refuse them for
-V4. Parameter names are those HF's `save_pretrained` writes (the release's: `attn.wq_a`,
-`attn.compressor.ape`, `ffn.gate.tid2eid`, `hc_attn_fn`, ...).
+the engine (tests/test_deepseek_v4_engine.py). The release's quantised weights (block-FP8
+attention and shared experts, FP4 routed experts) are dequantised by the loader, or the
+routed experts kept packed (weights/fp4.py `Fp4Linear`, --weight_dtype fp4). Not here:
+tensor / expert parallelism, graph mode; config.py refuses them for V4. Parameter names
+are those HF's `save_pretrained` writes (the release's: `attn.wq_a`, `attn.compressor.ape`,
+`ffn.gate.tid2eid`, `hc_attn_fn`, ...).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from xllm_py.models.layers.compressed_attention import (
 )
 from xllm_py.models.layers.norm import RMSNorm
 from xllm_py.parallel.context import SINGLE, ParallelContext
+from xllm_py.weights import fp4
 
 __all__ = ["CSA", "HCA", "SLIDING", "DeepseekV4ForCausalLM", "V4Config"]
 
@@ -76,13 +79,11 @@ SCORES = {
 
 
 class Expert(nn.Module):
-    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+    def __init__(self, hidden: int, inter: int, limit: float, routed: bool = False) -> None:
+        """`routed`: a routed expert, whose matrices may be held packed (weights/fp4.py)."""
         super().__init__()
-        self.w1, self.w2, self.w3 = (
-            linear(hidden, inter),
-            linear(inter, hidden),
-            linear(hidden, inter),
-        )
+        make = fp4.expert_linear if routed else linear
+        self.w1, self.w2, self.w3 = make(hidden, inter), make(inter, hidden), make(hidden, inter)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +127,7 @@ class MoE(nn.Module):
         inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
         self.gate = Gate(cfg, hashed)
         self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, inter, limit) for _ in range(cfg.n_routed_experts)
+            Expert(cfg.hidden_size, inter, limit, routed=True) for _ in range(cfg.n_routed_experts)
         )
         self.shared_experts = Expert(cfg.hidden_size, inter, limit)
 

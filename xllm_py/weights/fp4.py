@@ -20,13 +20,18 @@ DeepSeek-V4's config.json, inside `quantization_config` in V4.1's (HF folds the 
 the latter); the rest of the release is block-FP8 (`quant_method: "fp8"`, e4m3 weights with
 ue8m0 `X.scale` blocks of `weight_block_size`), which `dequantize_state_dict` reads too.
 
-Two ways to hold them:
-  dequantised at load  on the CPU, into the run dtype (`dequantize_state_dict`, which turns
-                       a V4 state dict in the release's layout into a plain one); the model
-                       never sees a code.
-  kept packed          `Fp4Weight`: the checkpoint's bytes and scales, 0.27 of bfloat16's
-                       bytes; ops/fused_moe.py's kernels unpack and scale them tile by tile
-                       (what builds a V4 model that way is not written yet).
+Ways to hold them:
+  dequantised at load  into the run dtype, tensor by tensor as the loader reads them
+                       (weights/loader.py; `dequantize_state_dict` does the same to a whole
+                       state dict): the model never sees a code. --weight_dtype auto.
+  kept packed          `Fp4Linear` (--weight_dtype fp4): a V4 model built under
+                       `fp4_resident(True)` holds each routed expert's matrices as the
+                       checkpoint stores them, 0.27 of bfloat16's bytes, and unpacks the
+                       whole matrix in torch at each call (V4's MoE runs each chosen expert
+                       in torch: models/deepseek_v4.py).
+  `Fp4Weight`          the same bytes as a stack of experts for ops/fused_moe.py's kernels,
+                       which unpack and scale tile by tile (checked against the torch
+                       reference; V4's MoE does not call them yet).
 
 `quantize_fp4` is the inverse, for tools and tests: per 32 columns the smallest power of two
 that lets the block's largest magnitude fit 6.0, then each value rounded to the nearest e2m1
@@ -36,9 +41,13 @@ negative value becomes -0).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
+from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from xllm_py.weights import fp8
@@ -47,8 +56,7 @@ from xllm_py.weights.int4 import unpack_nibbles
 BLOCK = 32  # input columns per scale
 E2M1_MAX = 6.0
 E8M0_BIAS = 127  # scale = 2 ** (byte - 127); byte 255 is NaN
-SCALE_SUFFIX = ".scale"  # "X.weight" -> "X.scale"
-EXPERT_DTYPES = ("fp4", "fp8")
+SCALE_SUFFIX = fp8.RELEASE_SCALE  # "X.weight" -> "X.scale"
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # Magnitudes half-way between neighbouring e2m1 values (codes 0..7), and at each one the
 # code a tie goes to: the even one, alternately the lower and the upper neighbour.
@@ -61,12 +69,7 @@ def expert_dtype(cfg: dict) -> str | None:
     """The routed experts' format a V4 config.json declares ("fp4", "fp8"), or None (as
     the rest of the checkpoint). Raises ValueError naming a value this module does not read."""
     qc = cfg.get("quantization_config") or {}
-    value = qc.get("expert_dtype", cfg.get("expert_dtype"))
-    if value is not None and value not in EXPERT_DTYPES:
-        raise ValueError(
-            f"expert_dtype={value!r} is not supported; expected one of {list(EXPERT_DTYPES)}"
-        )
-    return value
+    return fp8.checked_expert_dtype(qc.get("expert_dtype", cfg.get("expert_dtype")))
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -253,3 +256,45 @@ class Fp4Weight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"shape={tuple(self.shape)}, scale=ue8m0 per {BLOCK}"
+
+
+# ---- FP4 experts kept packed in a V4 model -----------------------------------------------------
+
+_RESIDENT: contextvars.ContextVar[bool] = contextvars.ContextVar("fp4_resident", default=False)
+
+
+@contextlib.contextmanager
+def fp4_resident(on: bool) -> Iterator[None]:
+    """While a V4 model is built: its routed experts' matrices are `Fp4Linear`s (on) or
+    plain linears in the run dtype (off: the loader dequantises into them)."""
+    token = _RESIDENT.set(on)
+    try:
+        yield
+    finally:
+        _RESIDENT.reset(token)
+
+
+def expert_linear(dim_in: int, dim_out: int) -> nn.Module:
+    """A routed expert's matrix, as `fp4_resident` says."""
+    if _RESIDENT.get():
+        return Fp4Linear(dim_in, dim_out)
+    return nn.Linear(dim_in, dim_out, bias=False)
+
+
+class Fp4Linear(nn.Module):
+    """y = x W^T for a packed FP4 W held under the checkpoint's layout: `weight` int8
+    [out, in / 2] and `weight_scale_inv` float8_e8m0fnu [out, in / 32] (the loader's name
+    for the release's `X.scale`). Each call dequantises W into x's dtype."""
+
+    def __init__(self, dim_in: int, dim_out: int) -> None:
+        super().__init__()
+        _check_columns(dim_in, "a packed FP4 expert")
+        self.register_buffer("weight", torch.zeros(dim_out, dim_in // 2, dtype=torch.int8))
+        ones = torch.full((dim_out, dim_in // BLOCK), E8M0_BIAS, dtype=torch.uint8)
+        self.register_buffer("weight" + fp8.SCALE_SUFFIX, ones.view(torch.float8_e8m0fnu))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize_fp4(self.weight, self.weight_scale_inv, x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in={self.weight.shape[1] * 2}, out={self.weight.shape[0]}, FP4 packed"

@@ -9,8 +9,10 @@ A quantised weight `W [out, in]` is stored as float8 e4m3 plus
 
 compressed-tensors' FP8_BLOCK (`format: float-quantized`, weights `strategy: block`) is the
 same layout with the scales named `weight_scale` and the block in `block_structure`;
-`Fp8Config.stored_suffix` says which name a checkpoint uses, and the loader reads either
-under the one name `weight_scale_inv`.
+`Fp8Config.stored_suffix` says which name a checkpoint uses. DeepSeek-V4's release names a
+weight's scales `X.scale` (float8_e8m0fnu: powers of two) and says in `expert_dtype` how its
+routed experts are held ("fp4": weights/fp4.py). The loader reads all of them under the
+one name `weight_scale_inv`.
 
 Edges that are not a multiple of the block size belong to a partial block.
 
@@ -43,6 +45,8 @@ logger = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 
 SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
+RELEASE_SCALE = ".scale"  # DeepSeek-V4's release: "X.weight" -> "X.scale"
+EXPERT_DTYPES = ("fp4", "fp8")  # DeepSeek-V4's `expert_dtype` values
 
 
 # `quantization_config.scale_fmt` values: None (any float32 scale) or DeepSeek-V3.1's
@@ -55,6 +59,7 @@ class Fp8Config:
     block: tuple[int, int]
     scale_fmt: str | None = None
     stored_suffix: str = SCALE_SUFFIX  # the scales' name in the checkpoint, after "X.weight"
+    expert_dtype: str | None = None  # DeepSeek-V4's routed experts: "fp4", "fp8" or as the rest
 
     @classmethod
     def from_quantization_config(cls, qc: dict | None) -> Fp8Config | None:
@@ -84,7 +89,8 @@ class Fp8Config:
                 f"quantization_config.scale_fmt={scale_fmt!r} is not supported; expected one "
                 f"of {list(SCALE_FORMATS)}"
             )
-        return cls((int(block[0]), int(block[1])), scale_fmt)
+        expert = checked_expert_dtype(qc.get("expert_dtype"))
+        return cls((int(block[0]), int(block[1])), scale_fmt, expert_dtype=expert)
 
     @classmethod
     def _compressed_tensors(cls, qc: dict) -> Fp8Config:
@@ -119,22 +125,34 @@ class Fp8Config:
             )
 
 
+def checked_expert_dtype(value: str | None) -> str | None:
+    """`value`, a DeepSeek-V4 `expert_dtype` this engine reads (or None); raises naming it."""
+    if value is not None and value not in EXPERT_DTYPES:
+        raise ValueError(
+            f"expert_dtype={value!r} is not supported; expected one of {list(EXPERT_DTYPES)}"
+        )
+    return value
+
+
 def is_scale(name: str) -> bool:
     return name.endswith(SCALE_SUFFIX)
 
 
 def scale_aliases(names, fp8: Fp8Config | None) -> dict[str, str]:
     """For a checkpoint that stores its block scales under another name (compressed-tensors'
-    `X.weight_scale`): {"X.weight_scale_inv": "X.weight_scale"} for every weight that has
-    them; {} for DeepSeek's own layout."""
-    if fp8 is None or fp8.stored_suffix == SCALE_SUFFIX:
+    `X.weight_scale`, DeepSeek-V4's `X.scale`): {"X.weight_scale_inv": stored name} for
+    every weight that has them; {} for DeepSeek-V3's own layout."""
+    if fp8 is None:
         return {}
     names = set(names)
-    return {
-        n[: -len(fp8.stored_suffix)] + SCALE_SUFFIX: n
-        for n in names
-        if n.endswith(".weight" + fp8.stored_suffix) and n[: -len(fp8.stored_suffix)] in names
-    }
+    out = {}
+    for n in names:
+        if not n.endswith(".weight"):
+            continue
+        for stored in (n + fp8.stored_suffix, n.removesuffix(".weight") + RELEASE_SCALE):
+            if stored in names and stored != n + SCALE_SUFFIX:
+                out[n + SCALE_SUFFIX] = stored
+    return out
 
 
 @functools.lru_cache(maxsize=1024)  # shared by the many weights of one layout (read-only)

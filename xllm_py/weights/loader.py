@@ -40,7 +40,7 @@ from torch import nn
 from tqdm import tqdm
 
 from xllm_py.config import read_config_dict
-from xllm_py.weights import int4, mistral
+from xllm_py.weights import fp4, int4, mistral
 from xllm_py.weights.fp8 import (
     FP8,
     SCALE_SUFFIX,
@@ -138,6 +138,10 @@ class Checkpoint:
         # INT4 pack-quantized weights (weights/int4.py), listed under their logical name
         # `X.weight`, which maps to the file of `X.weight_packed`.
         self.int4: set[str] = {n[: -len(int4.PACKED)] for n in self.files if _is_packed(n)}
+        # DeepSeek-V4's FP4 routed experts (weights/fp4.py): int8 `X.weight` [out, in / 2]
+        # with `X.scale`, listed (and shaped) as the [out, in] weight they hold.
+        fp4_experts = fp8 is not None and fp8.expert_dtype == "fp4"
+        self.fp4: set[str] = {n for n in self.files if fp4_experts and fp4.EXPERT.search(n)}
         self.int4_group = 0
         if self.int4:
             self.int4_group = _int4_config(self.path).group_size
@@ -186,10 +190,21 @@ class Checkpoint:
 
     def read(self, st, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """Tensor `name` as stored, or the part `index` selects (read from the file as a
-        slice: nothing else of the tensor is read). Counted in `bytes_read`. An INT4 weight
-        comes dequantised to float32, whole, then sliced."""
+        slice: nothing else of the tensor is read). Counted in `bytes_read`. An INT4 or FP4
+        weight comes dequantised to float32, whole, then sliced."""
         if name in self.int4:
             return self._read_int4(name, index)
+        if name in self.fp4:
+            w = self.stored_tensor(st, name)
+            try:
+                w = fp4.dequantize_fp4(w, self.read_scale(st, name), torch.float32)
+            except ValueError as e:
+                raise ValueError(f"{self.path}: FP4 tensor {name!r}: {e}") from None
+            return w if index is None else w[index]
+        return self.stored_tensor(st, name, index)
+
+    def stored_tensor(self, st, name: str, index: tuple[slice, ...] | None = None):
+        """`read` without dequantising INT4 or FP4: the bytes in the file."""
         key = self.stored.get(name, name)
         try:
             t = st.get_tensor(key) if index is None else st.get_slice(key)[index]
@@ -203,7 +218,8 @@ class Checkpoint:
         if name in self.int4:
             with _open(self.files[name + int4.SHAPE]) as f:
                 return tuple(int(d) for d in self.read(f, name + int4.SHAPE).tolist())
-        return tuple(st.get_slice(self.stored.get(name, name)).get_shape())
+        shape = tuple(st.get_slice(self.stored.get(name, name)).get_shape())
+        return (*shape[:-1], shape[-1] * 2) if name in self.fp4 else shape
 
     def _read_int4(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
         parts = {}
@@ -219,8 +235,11 @@ class Checkpoint:
             raise ValueError(f"{self.path}: INT4 tensor {name!r}: {e}") from None
         return w if index is None else w[index]
 
-    def read_scale(self, st, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """The block scales of float8 weight `name` (the blocks `index` selects)."""
+    def read_scale(
+        self, st, name: str, index: tuple[slice, ...] | None = None, stored: bool = False
+    ) -> torch.Tensor:
+        """The block scales of float8 (or FP4) weight `name` (the blocks `index` selects),
+        in float32 (`stored`: as in the file; the release's are float8_e8m0fnu)."""
         scale_name = name + SCALE_SUFFIX
         if self.fp8 is None:
             raise ValueError(
@@ -233,6 +252,9 @@ class Checkpoint:
         else:
             with _open(self.files[scale_name]) as other:
                 scale = self.read(other, scale_name, index)
+        if stored:
+            return scale
+        scale = scale.float()
         self.fp8.check_scales(name, scale)
         return scale
 
@@ -309,6 +331,8 @@ def _load_one(ckpt: Checkpoint, st, name: str, target_name: str, targets) -> lis
     target = targets[target_name]
     if hasattr(target, "int4"):  # `X.weight_packed` of a linear that keeps INT4 packed
         return _load_packed(ckpt, st, name, target_name, targets)
+    if target.dtype == torch.int8:  # a V4 routed expert kept FP4 (weights/fp4.py Fp4Linear)
+        return _load_fp4_packed(ckpt, st, name, target_name, targets)
     shard = getattr(target, "shard", None)
     expected = tuple(target.shape) if shard is None else shard.full_shape(target.shape)
     full = _checked_shape(ckpt, st, name, expected, shard)
@@ -338,6 +362,30 @@ def _load_one(ckpt: Checkpoint, st, name: str, target_name: str, targets) -> lis
         t = ckpt._dequantize(name, t, ckpt.read_scale(st, name, blocks), torch.float32, offset)
     with torch.no_grad():
         target.copy_(t)  # copy_ casts to the target's dtype
+    return filled
+
+
+def _load_fp4_packed(ckpt: Checkpoint, st, name: str, target_name: str, targets) -> list[str]:
+    """An FP4 expert's bytes and ue8m0 scales, copied as stored."""
+    if name not in ckpt.fp4:
+        raise ValueError(
+            f"{ckpt.path}: tensor {name!r} is not an FP4 expert (config.json expert_dtype: "
+            f"{ckpt.fp8.expert_dtype if ckpt.fp8 else None!r}), but the model keeps it packed; "
+            "load with --weight_dtype auto"
+        )
+    filled = [target_name, target_name + SCALE_SUFFIX]
+    for model_name, t in zip(
+        filled, (ckpt.stored_tensor(st, name), ckpt.read_scale(st, name, stored=True))
+    ):
+        target = targets[model_name]
+        if (t.dtype, t.shape) != (target.dtype, target.shape):
+            raise ValueError(
+                f"{ckpt.path}: FP4 tensor {name!r}: {model_name.rsplit('.', 1)[-1]} is "
+                f"{t.dtype} {tuple(t.shape)}; the model expects {target.dtype} "
+                f"{tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(t)
     return filled
 
 

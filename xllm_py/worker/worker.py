@@ -35,6 +35,7 @@ from xllm_py.ops.fp8_gemm import fp8_gemm_available
 from xllm_py.parallel.context import SINGLE, ParallelContext
 from xllm_py.speculative.hot_vocab import TOKEN_MAP_FILE, HotVocabHead, load_token_map
 from xllm_py.speculative.mtp_proposer import MTPProposer, graph_q_lens
+from xllm_py.weights.fp4 import fp4_resident
 from xllm_py.weights.fp8 import Fp8Config, fp8_resident
 from xllm_py.weights.int4 import int4_resident
 from xllm_py.weights.loader import Checkpoint, layer_index, load_weights
@@ -62,6 +63,9 @@ def resident_fp8_block(config: EngineConfig, device: torch.device) -> tuple[int,
     (--weight_dtype, config.py), None when it dequantises them at load (or has none)."""
     fp8 = Fp8Config.from_quantization_config(config.model.quantization_config)
     choice = config.device.weight_dtype
+    if fp8 is not None and config.model.is_v4:  # V4's linears: dequantised (config.py)
+        logger.info("FP8 checkpoint: weights dequantised at load")
+        return None
     if fp8 is None:
         if choice == "fp8":
             raise ValueError(
@@ -107,6 +111,16 @@ def resident_int4_group(config: EngineConfig, device: torch.device, ckpt: Checkp
     return ckpt.int4_group if choice == "int4" else None
 
 
+def resident_fp4(config: EngineConfig, ckpt: Checkpoint) -> bool:
+    """Whether DeepSeek-V4's FP4 routed experts stay packed (--weight_dtype fp4; config.py
+    has checked that the checkpoint says they are FP4); otherwise they are dequantised at
+    load, as every other quantised V4 weight is."""
+    if ckpt.fp4:
+        held = "kept packed" if config.device.weight_dtype == "fp4" else "dequantised at load"
+        logger.info("FP4 experts: %d tensors %s", len(ckpt.fp4), held)
+    return config.device.weight_dtype == "fp4"
+
+
 def load_target_model(
     config: EngineConfig,
     device: torch.device,
@@ -117,7 +131,13 @@ def load_target_model(
     mcfg = config.model
     ckpt = Checkpoint(mcfg.path, Fp8Config.from_quantization_config(mcfg.quantization_config))
     block, group = resident_fp8_block(config, device), resident_int4_group(config, device, ckpt)
-    with default_dtype(dtype), torch.device(device), fp8_resident(block), int4_resident(group):
+    with (
+        default_dtype(dtype),
+        torch.device(device),
+        fp8_resident(block),
+        int4_resident(group),
+        fp4_resident(resident_fp4(config, ckpt)),
+    ):
         model = build_target(mcfg, parallel)
     n = mcfg.num_hidden_layers
 
@@ -167,7 +187,8 @@ def load_draft_model(
             f"the last one is supported only with a single MTP layer; use at most {num_mtp}"
         )
     if mcfg.is_v4:
-        return load_v4_draft(ckpt, target, num_mtp, device, dtype)
+        with fp4_resident(resident_fp4(config, ckpt)):
+            return load_v4_draft(ckpt, target, num_mtp, device, dtype)
     # An exported draft is dequantised (tools/export_deepseek_mtp.py); the MTP layer in an
     # FP8 or INT4 checkpoint is held like the target's layers.
     block = None if draft_path else resident_fp8_block(config, device)
