@@ -14,7 +14,9 @@ with its own FP8/FP4 dequantisation, gives exactly that copy's logits. Here:
 - the packed experts' resident bytes, read off the model's buffers, are at most 30% of
   the same experts in bfloat16 (0.2656: 4.25 bits a weight);
 - with MTP drafts (k = 2), the draft's experts are packed too, and greedy tokens equal
-  plain decoding's;
+  plain decoding's; tools/export_deepseek_mtp.py writes the `mtp.*` layer alone,
+  dequantised, and served with --draft_model it drafts exactly as in place (a DSpark
+  drafter is refused by the tool, naming a tensor);
 - what does not fit is refused naming the flag or field: weight_dtype=fp4 without FP4
   experts or on another model, weight_dtype=fp8/int4 with V4, a quant_method other than the
   release's.
@@ -32,6 +34,8 @@ from safetensors.torch import load_file, save_file
 from tests.test_deepseek_v4 import hf_checkpoint
 from tests.test_deepseek_v4_mtp import with_mtp
 from tests.test_fp4 import hf_load_fp4
+from tools.export_deepseek_mtp import export
+from tools.export_deepseek_mtp import main as export_main
 from tools.quantize_fp4 import quantize_checkpoint
 from xllm_py import LLM, SamplingParams
 from xllm_py.config import ModelConfig
@@ -127,15 +131,56 @@ def test_packed_experts_take_under_30_percent_of_their_bf16_bytes(checkpoints):
     assert packed / bf16 == pytest.approx(4.25 / 16)
 
 
-def test_mtp_drafts_on_packed_experts_keep_greedy_output(tmp_path):
-    quantised = quantize_checkpoint(with_mtp(NAME, tmp_path / "float"), tmp_path / "q", dense=True)
-    plain = run(quantised, weight_dtype="fp4")[1]
-    llm, tokens, _ = run(quantised, weight_dtype="fp4", num_speculative_tokens=2)
+@pytest.fixture(scope="module")
+def with_draft(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("v4q-mtp")
+    return quantize_checkpoint(with_mtp(NAME, root / "float"), root / "release", dense=True)
+
+
+@pytest.fixture(scope="module")
+def drafted(with_draft):
+    """Greedy tokens and (draft, accepted) counts, drafting with the checkpoint's own MTP
+    layer at k = 2 on packed experts."""
+    llm, tokens, _ = run(with_draft, weight_dtype="fp4", num_speculative_tokens=2)
     draft = llm.engine.core.executor.worker.draft
-    assert any(isinstance(m, fp4.Fp4Linear) for m in draft.modules())
-    assert llm.get_metrics().draft_tokens > 0  # drafts were verified (a random MTP layer's
-    # are rarely accepted: vocabulary 96)
-    assert tokens == plain
+    assert any(isinstance(m, fp4.Fp4Linear) for m in draft.modules())  # its experts packed too
+    m = llm.get_metrics()
+    return tokens, (m.draft_tokens, m.accepted_tokens)
+
+
+def test_mtp_drafts_on_packed_experts_keep_greedy_output(with_draft, drafted):
+    tokens, (draft_tokens, _) = drafted
+    assert draft_tokens > 0  # drafts were verified (a random MTP layer's are rarely accepted)
+    assert tokens == run(with_draft, weight_dtype="fp4")[1]
+
+
+def test_the_exported_mtp_layer_drafts_as_the_one_in_place(with_draft, drafted, tmp_path):
+    """tools/export_deepseek_mtp.py on the release layout: the `mtp.*` layer alone,
+    dequantised, served with --draft_model, drafts the same tokens (the same counts)."""
+    out = tmp_path / "draft"
+    assert export_main(["--input-dir", str(with_draft), "--output-dir", str(out)]) == 0
+    tensors = load_file(out / "model-00001-of-00001.safetensors")
+    assert tensors and all(n.startswith("mtp.0.") for n in tensors)
+    assert {t.dtype for t in tensors.values()} <= {torch.bfloat16, torch.float32}
+    assert json.loads((out / "config.json").read_text())["architectures"] == [
+        "DeepseekV4MtpForCausalLM"
+    ]
+    exported = tmp_path / "f32"  # float32 like the run, so the drafts are the same numbers
+    assert export_main(["--input-dir", str(with_draft), "--output-dir", str(exported),
+                        "--dtype", "float32"]) == 0  # fmt: skip
+    llm, tokens, _ = run(
+        with_draft, weight_dtype="fp4", num_speculative_tokens=2, draft_model=str(exported)
+    )
+    m = llm.get_metrics()
+    assert (tokens, (m.draft_tokens, m.accepted_tokens)) == drafted
+    # a DSpark drafter under the same names is not MTP layers: refused, naming a tensor
+    dspark = tmp_path / "dspark"
+    dspark.mkdir()
+    (dspark / "config.json").write_text((with_draft / "config.json").read_text())
+    mtp = {"mtp.0.e_proj.weight": torch.zeros(2, 2), "mtp.2.markov_head.w.weight": torch.zeros(2)}
+    save_file(mtp, dspark / "model.safetensors")
+    with pytest.raises(ValueError, match="DSpark drafter \\(mtp.2.markov_head.w.weight\\)"):
+        export(dspark, tmp_path / "no", torch.bfloat16, False)
 
 
 def test_what_does_not_fit_is_refused_naming_it(checkpoints, tmp_path):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Split the MTP layer(s) of a DeepSeek-V3 checkpoint into a draft-model directory.
+"""Split the MTP layer(s) of a DeepSeek-V3 (or V4) checkpoint into a draft-model directory.
 
     python tools/export_deepseek_mtp.py --input-dir /path/to/DeepSeek-V3 \\
         --output-dir /path/to/DeepSeek-V3-mtp [--dtype bfloat16] [--force]
@@ -14,6 +14,12 @@ FP8 weights are dequantised to --dtype (bfloat16 by default); the output has no
 quantization_config. config.json gets num_hidden_layers = num_nextn_predict_layers,
 architectures = ["DeepseekV3MtpForCausalLM"], model_type = "deepseek_v3_mtp",
 first_k_dense_replace = 0; tokenizer and other non-weight files are copied.
+
+DeepSeek-V4 keeps its MTP layers as `mtp.{j}.*` beside the target: they are written under
+those names, dequantised likewise (block-FP8, and FP4 routed experts), with the target's
+config.json but for architectures = ["DeepseekV4MtpForCausalLM"], model_type =
+"deepseek_v4_mtp" and no quantisation fields. A V4 checkpoint whose `mtp.*` tensors are a
+DSpark drafter (the 0731 releases) is refused, naming a tensor that shows it.
 
 Only the shards that hold MTP tensors are opened. The output is written to a
 temporary directory beside OUT and renamed into place at the end, so a failure
@@ -35,7 +41,8 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from xllm_py.models.deepseek_mtp import DRAFT_ARCHITECTURE  # noqa: E402
+from xllm_py.config import DEEPSEEK_V4, V4_DRAFT_PREFIX, ModelConfig, v4_draft_module  # noqa: E402
+from xllm_py.models.deepseek_mtp import DRAFT_ARCHITECTURE, V4_DRAFT_ARCHITECTURE  # noqa: E402
 from xllm_py.weights.fp8 import Fp8Config  # noqa: E402
 from xllm_py.weights.loader import INDEX_FILE, Checkpoint, layer_index  # noqa: E402
 
@@ -43,8 +50,10 @@ TOP_LEVEL = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
 SHARD_BYTES = 4 << 30
 
 
-def export_name(name: str, n_layers: int, n_mtp: int) -> str | None:
+def export_name(name: str, n_layers: int, n_mtp: int, v4: bool = False) -> str | None:
     """Output name of an input tensor, or None if it is not part of the MTP draft."""
+    if v4:
+        return name if name.startswith(V4_DRAFT_PREFIX) else None
     i = layer_index(name)
     if i is None or not n_layers <= i < n_layers + n_mtp:
         return None
@@ -76,13 +85,21 @@ def export(input_dir: Path, output_dir: Path, dtype: torch.dtype, force: bool) -
         )
     if output_dir.exists() and not force:
         raise ValueError(f"--output-dir {output_dir} exists; pass --force to replace it")
-    ckpt = Checkpoint(input_dir, Fp8Config.from_quantization_config(cfg.get("quantization_config")))
-    plan = {n: export_name(n, n_layers, n_mtp) for n in ckpt.names}
+    v4 = DEEPSEEK_V4 in (cfg.get("architectures") or [])
+    ckpt = Checkpoint(input_dir, Fp8Config.from_quantization_config(_quantization(cfg, v4)))
+    plan = {n: export_name(n, n_layers, n_mtp, v4) for n in ckpt.names}
     plan = {n: o for n, o in plan.items() if o is not None}
     if not plan:
+        where = "mtp.*" if v4 else f"model.layers.{n_layers}"
         raise ValueError(
-            f"{input_dir}: config says {n_mtp} MTP layer(s) at model.layers.{n_layers} but the "
+            f"{input_dir}: config says {n_mtp} MTP layer(s) at {where} but the "
             "checkpoint holds no such tensors"
+        )
+    found = v4_draft_module(list(plan)) if v4 else None
+    if found is not None and found[0] == "DSpark":
+        raise ValueError(
+            f"{input_dir}: its mtp.* tensors are a DSpark drafter ({found[1]}), not MTP layers; "
+            "there is nothing to export as an MTP draft"
         )
     shards_read = sorted({ckpt.files[n].name for n in plan})
     output_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -96,6 +113,11 @@ def export(input_dir: Path, output_dir: Path, dtype: torch.dtype, force: bool) -
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return summary | {"shards_read": shards_read, "output_dir": str(output_dir)}
+
+
+def _quantization(cfg: dict, v4: bool) -> dict | None:
+    """config.json's quantization_config (V4's with its top-level expert_dtype folded in)."""
+    return ModelConfig.from_dict(cfg).quantization_config if v4 else cfg.get("quantization_config")
 
 
 def _write(ckpt, plan, cfg, n_mtp, out: Path, dtype, input_dir: Path) -> dict:
@@ -121,13 +143,17 @@ def _write(ckpt, plan, cfg, n_mtp, out: Path, dtype, input_dir: Path) -> dict:
     )
     draft_cfg = dict(cfg)
     draft_cfg.pop("quantization_config", None)
-    draft_cfg.update(
-        num_hidden_layers=n_mtp,
-        architectures=[DRAFT_ARCHITECTURE],
-        model_type="deepseek_v3_mtp",
-        first_k_dense_replace=0,
-        torch_dtype=str(dtype).removeprefix("torch."),
-    )
+    draft_cfg.pop("expert_dtype", None)
+    if DEEPSEEK_V4 in (cfg.get("architectures") or []):  # the target's layers, for the rows
+        draft_cfg.update(architectures=[V4_DRAFT_ARCHITECTURE], model_type="deepseek_v4_mtp")
+    else:
+        draft_cfg.update(
+            num_hidden_layers=n_mtp,
+            architectures=[DRAFT_ARCHITECTURE],
+            model_type="deepseek_v3_mtp",
+            first_k_dense_replace=0,
+        )
+    draft_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(draft_cfg, indent=2))
     copied = []
     for f in sorted(input_dir.iterdir()):
@@ -148,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "--input-dir", type=Path, required=True, help="DeepSeek-V3 checkpoint with MTP layer(s)"
+        "--input-dir",
+        type=Path,
+        required=True,
+        help="DeepSeek-V3 or V4 checkpoint with MTP layer(s)",
     )
     ap.add_argument("--output-dir", type=Path, required=True, help="where to write the draft model")
     ap.add_argument(

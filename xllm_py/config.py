@@ -901,7 +901,8 @@ class EngineConfig:
     def _check_v4(self) -> None:
         """What DeepSeek-V4 does not run with yet, refused by the flag's name."""
         k = self.spec.num_speculative_tokens
-        found = v4_draft_module(checkpoint_tensor_names(self.model.path)) if k else None
+        drafts = self.spec.draft_model or self.model.path  # an exported draft, or the target
+        found = v4_draft_module(checkpoint_tensor_names(drafts)) if k else None
         if found is not None and found[0] == "DSpark":
             raise ValueError(
                 f"num_speculative_tokens={k} with {DEEPSEEK_V4}: this checkpoint's mtp.* module "
@@ -910,17 +911,13 @@ class EngineConfig:
                 "is not implemented, and read as MTP layers it would draft wrong tokens (use "
                 "num_speculative_tokens=0)"
             )
-        if k and (found is None or not self.model.num_nextn_predict_layers):
+        layers = self.model.num_nextn_predict_layers or self.spec.draft_model
+        if k and (found is None or not layers):
             raise ValueError(
-                f"num_speculative_tokens={k} with {DEEPSEEK_V4}: the checkpoint has no MTP "
+                f"num_speculative_tokens={k} with {DEEPSEEK_V4}: {drafts} has no MTP "
                 f"layer (num_nextn_predict_layers={self.model.num_nextn_predict_layers}, "
                 f"mtp.* tensors: {'none' if found is None else found[1] + ', ...'}); use "
                 "num_speculative_tokens=0"
-            )
-        if k and self.spec.draft_model:
-            raise ValueError(
-                f"speculative_draft_model={self.spec.draft_model!r} with {DEEPSEEK_V4}: V4 "
-                "drafts with the MTP layer in its own checkpoint (leave it unset)"
             )
         if k and self.spec.draft_vocab_size:
             raise ValueError(

@@ -42,6 +42,16 @@ from xllm_py.models.layers.norm import RMSNorm
 from xllm_py.parallel.context import SINGLE, ParallelContext
 
 DRAFT_ARCHITECTURE = "DeepseekV3MtpForCausalLM"
+V4_DRAFT_ARCHITECTURE = "DeepseekV4MtpForCausalLM"  # a V4 checkpoint's mtp.* layers
+# The fields an exported draft must share with its target, by family.
+_SHARED_FIELDS = (
+    "hidden_size", "vocab_size", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim",
+    "qk_nope_head_dim", "v_head_dim", "n_routed_experts",
+)  # fmt: skip
+_V4_SHARED_FIELDS = (
+    "hidden_size", "vocab_size", "num_attention_heads", "head_dim", "hc_mult",
+    "n_routed_experts", "moe_intermediate_size", "sliding_window",
+)  # fmt: skip
 
 
 class SharedHead(nn.Module):
@@ -162,28 +172,20 @@ def read_draft_config(path: str | Path, target: ModelConfig) -> int:
         raise ValueError(f"draft_model={str(path)!r}: no config.json in that directory")
     cfg = json.loads(cfg_file.read_text())
     archs = cfg.get("architectures") or []
-    if DRAFT_ARCHITECTURE not in archs:
+    arch = V4_DRAFT_ARCHITECTURE if target.is_v4 else DRAFT_ARCHITECTURE
+    if arch not in archs:
         raise ValueError(
-            f"draft_model={str(path)!r}: architectures={archs!r}; "
-            f"expected [{DRAFT_ARCHITECTURE!r}] "
-            "(made by tools/export_deepseek_mtp.py)"
+            f"draft_model={str(path)!r}: architectures={archs!r}; expected [{arch!r}] for "
+            f"{target.architecture} (made by tools/export_deepseek_mtp.py)"
         )
-    for field in (
-        "hidden_size",
-        "vocab_size",
-        "num_attention_heads",
-        "kv_lora_rank",
-        "qk_rope_head_dim",
-        "qk_nope_head_dim",
-        "v_head_dim",
-        "n_routed_experts",
-    ):
+    for field in _V4_SHARED_FIELDS if target.is_v4 else _SHARED_FIELDS:
         if cfg.get(field) != target.raw.get(field):
             raise ValueError(
                 f"draft_model={str(path)!r}: {field}={cfg.get(field)} but the target has "
                 f"{target.raw.get(field)}"
             )
-    return int(cfg["num_hidden_layers"])
+    # a V4 draft keeps the target's layer count (its layers' cache rows follow them)
+    return int(cfg["num_nextn_predict_layers" if target.is_v4 else "num_hidden_layers"])
 
 
 def check_shared_copy(name: str, stored: torch.Tensor, target_tensor: torch.Tensor) -> None:

@@ -112,13 +112,14 @@ def resident_int4_group(config: EngineConfig, device: torch.device, ckpt: Checkp
 
 
 def resident_fp4(config: EngineConfig, ckpt: Checkpoint) -> bool:
-    """Whether DeepSeek-V4's FP4 routed experts stay packed (--weight_dtype fp4; config.py
-    has checked that the checkpoint says they are FP4); otherwise they are dequantised at
-    load, as every other quantised V4 weight is."""
+    """Whether the DeepSeek-V4 checkpoint's FP4 routed experts stay packed (--weight_dtype
+    fp4); otherwise, as every other quantised V4 weight, they are dequantised at load. (An
+    exported draft holds none: tools/export_deepseek_mtp.py dequantised them.)"""
+    packed = config.device.weight_dtype == "fp4" and bool(ckpt.fp4)
     if ckpt.fp4:
-        held = "kept packed" if config.device.weight_dtype == "fp4" else "dequantised at load"
+        held = "kept packed" if packed else "dequantised at load"
         logger.info("FP4 experts: %d tensors %s", len(ckpt.fp4), held)
-    return config.device.weight_dtype == "fp4"
+    return packed
 
 
 def load_target_model(
