@@ -22,7 +22,8 @@ import pytest
 
 from xllm_py.args import EngineArgs
 from xllm_py.formats import reasoning
-from xllm_py.formats.encoding_dsv32 import applies, encode_messages, render
+from xllm_py.formats.encoding_dsv32 import encode_messages, render
+from xllm_py.formats.encodings import encoder
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"
@@ -246,12 +247,12 @@ def test_messages_the_rules_cannot_render_are_named(messages, named):
 
 def test_which_checkpoints_use_the_encoding():
     v32, v3 = {"model_type": "deepseek_v32"}, {"model_type": "deepseek_v3"}
-    assert applies("auto", v32, has_own_template=False)
-    assert not applies("auto", v32, has_own_template=True)  # V3.2-Exp: V3.1's template
-    assert not applies("auto", v3, has_own_template=False)
-    assert applies("deepseek_v32", v3, has_own_template=True)
+    assert encoder("auto", v32, has_own_template=False) is render
+    assert encoder("auto", v32, has_own_template=True) is None  # V3.2-Exp: V3.1's template
+    assert encoder("auto", v3, has_own_template=False) is None
+    assert encoder("deepseek_v32", v3, has_own_template=True) is render
     with pytest.raises(ValueError, match="--chat_template='jinja'"):
-        applies("jinja", v32, False)
+        encoder("jinja", v32, False)
 
 
 def test_chat_template_on_the_command_line(capsys):
@@ -260,10 +261,11 @@ def test_chat_template_on_the_command_line(capsys):
     parser = build_parser()
     assert parser.parse_args([]).chat_template == "auto"
     assert parser.parse_args(["--chat_template=deepseek_v32"]).chat_template == "deepseek_v32"
+    assert parser.parse_args(["--chat_template=deepseek_v4"]).chat_template == "deepseek_v4"
     with pytest.raises(SystemExit) as e:
-        parser.parse_args(["--chat_template=deepseek_v4"])
+        parser.parse_args(["--chat_template=deepseek_v9"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--chat_template" in err and "'deepseek_v4'" in err and "'deepseek_v32'" in err
-    with pytest.raises(ValueError, match="--chat_template=chatml: must be auto or deepseek_v32"):
+    assert "--chat_template" in err and "'deepseek_v9'" in err and "'deepseek_v32'" in err
+    with pytest.raises(ValueError, match="--chat_template=chatml: must be auto, deepseek_v32 or"):
         EngineArgs(chat_template="chatml").check()

@@ -410,7 +410,7 @@ def test_required_v31_calls_from_the_bundled_model_parse_back():
 @pytest.mark.parametrize(
     "flag,valid",
     [
-        ("--tool_call_parser", ["deepseek_v3", "deepseek_v31", "kimi_k2"]),
+        ("--tool_call_parser", ["deepseek_v3", "deepseek_v31", "kimi_k2", "deepseek_v4"]),
         ("--reasoning_parser", ["deepseek_r1", "deepseek_v3", "kimi_k2"]),
     ],
 )
@@ -421,10 +421,10 @@ def test_parser_names_on_the_command_line(capsys, flag, valid):
     for name in valid:
         assert getattr(parser.parse_args([f"{flag}={name}"]), flag[2:]) == name
     with pytest.raises(SystemExit) as e:
-        parser.parse_args([f"{flag}=deepseek_v4"])
+        parser.parse_args([f"{flag}=deepseek_v9"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert flag in err and "'deepseek_v4'" in err
+    assert flag in err and "'deepseek_v9'" in err
     assert all(f"'{name}'" in err for name in valid)
     assert all(name in parser.format_help() for name in valid)
 

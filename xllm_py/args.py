@@ -252,12 +252,14 @@ class EngineArgs:
     # ---- structured outputs, reasoning and tool calls
     chat_template: str = option("auto", "structured", "how chat messages become the prompt: "
         "auto (the checkpoint's chat template; for a checkpoint whose config.json model_type "
-        "is deepseek_v32 and that ships none, DeepSeek-V3.2's encoding) or deepseek_v32 "
-        "(DeepSeek-V3.2's encoding_dsv32 rules, which have no Jinja template; thinking mode "
-        "when chat_template_kwargs set thinking or enable_thinking true)",
-        choices=["auto", "deepseek_v32"], offline=False,
-        check=lambda v: None if v in ("auto", "deepseek_v32") else "must be auto or "
-        "deepseek_v32")  # fmt: skip
+        "is deepseek_v32 or deepseek_v4 and that ships none, that model's encoding), "
+        "deepseek_v32 (DeepSeek-V3.2's encoding_dsv32 rules, which have no Jinja template) or "
+        "deepseek_v4 (DeepSeek-V4's encoding_dsv4 rules: tool results as user turns, the "
+        "tool_calls DSML section); thinking mode when chat_template_kwargs set thinking or "
+        "enable_thinking true (V4: reasoning_effort max adds its instruction)",
+        choices=["auto", "deepseek_v32", "deepseek_v4"], offline=False,
+        check=lambda v: None if v in ("auto", "deepseek_v32", "deepseek_v4") else "must be "
+        "auto, deepseek_v32 or deepseek_v4")  # fmt: skip
     reasoning_parser: str = option("", "structured", "chat answers carry the model's "
         "<think>...</think> text as message.reasoning_content (delta.reasoning_content when "
         "streaming), the rest as content. deepseek_r1: every answer thinks; deepseek_v3 "
@@ -268,8 +270,9 @@ class EngineArgs:
         "thinking stays in content)", offline=False, registry="reasoning")  # fmt: skip
     tool_call_parser: str = option("", "structured", "the model's tool-call format: "
         "deepseek_v3 (DeepSeek-V3, R1), deepseek_v31 (DeepSeek-V3.1: NAME<sep>JSON, no fence), "
-        "kimi_k2 (Kimi-K2: functions.NAME:IDX, which is the tool_call id) or deepseek_v32 "
-        "(DeepSeek-V3.2's DSML: XML-ish parameters, read into JSON arguments). Chat requests "
+        "kimi_k2 (Kimi-K2: functions.NAME:IDX, which is the tool_call id), deepseek_v32 "
+        "(DeepSeek-V3.2's DSML: XML-ish parameters, read into JSON arguments) or deepseek_v4 "
+        "(DeepSeek-V4's DSML, its section named tool_calls). Chat requests "
         "may carry tools; the model's tool-call tokens come back as OpenAI tool_calls "
         '(streamed as id and name, then argument fragments) with finish_reason "tool_calls"; '
         'tool_choice "required" or a named function is enforced by a grammar; default: off '

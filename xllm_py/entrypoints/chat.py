@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: messages rendered with the checkpoint's chat template (or
-DeepSeek-V3.2's encoding, encoding_dsv32.py: --chat_template).
+DeepSeek-V3.2's or V4's encoding, formats/encodings.py: --chat_template).
 
 Each choice's text goes through the reasoning split (--reasoning_parser: `<think>` ...
 `</think>` becomes `reasoning_content`) and then the tool-call reader (when the request

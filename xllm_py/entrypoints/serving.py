@@ -48,7 +48,7 @@ from xllm_py.entrypoints.openai_protocol import (
     TokenizeRequest,
     from_validation_error,
 )
-from xllm_py.formats import encoding_dsv32, reasoning
+from xllm_py.formats import encodings, reasoning
 from xllm_py.sampling_params import StructuredOutput
 from xllm_py.structured import (
     GrammarCompileTimeout,
@@ -78,7 +78,7 @@ class ServerOptions:
     strict_request_fields: bool = False  # True: a field the server does not declare is a 400
     reasoning_parser: str = ""  # "deepseek_r1": chat answers split <think> (reasoning.py)
     tool_call_parser: str = ""  # "deepseek_v3": tool calls parsed (tool_parser.py)
-    chat_template: str = "auto"  # "deepseek_v32": DeepSeek-V3.2's encoding (encoding_dsv32.py)
+    chat_template: str = "auto"  # or an encoding of formats/encodings.py (DeepSeek-V3.2, V4)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (with a parser)
     grammar_compile_timeout: float = 10.0  # seconds a new grammar may take to compile
     stream_stall_timeout: float = 300.0  # seconds a stream may go unread before its abort
@@ -336,15 +336,16 @@ class OpenAIServer:
             )
 
     def render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
-        """The messages through the checkpoint's chat template, or DeepSeek-V3.2's encoding
-        (encoding_dsv32.py: --chat_template) (errors: 400 on messages). Blocking: call it
-        through run_blocking."""
+        """The messages through the checkpoint's chat template, or a DeepSeek encoding
+        (formats/encodings.py: --chat_template) (errors: 400 on messages). Blocking: call
+        it through run_blocking."""
         if self.tokenizer is None:
             raise APIError(400, "messages: this checkpoint has no tokenizer", param="messages")
         own = bool(self.tokenizer.chat_template)
-        if encoding_dsv32.applies(self.opts.chat_template, self.engine.model_config.raw, own):
+        render = encodings.encoder(self.opts.chat_template, self.engine.model_config.raw, own)
+        if render is not None:
             try:
-                return encoding_dsv32.render(
+                return render(
                     req.message_dicts(), req.tool_dicts(), req.chat_template_kwargs,
                     req.add_generation_prompt,
                 )  # fmt: skip

@@ -2,10 +2,11 @@
 
     tool_parser.py     tool calls read whole or streamed, one incremental reader per
                        `--tool_call_parser` format, and the grammars that force them
-    dsml.py            DeepSeek-V3.2's DSML tool calls (its reader and grammar)
+    dsml.py            DeepSeek-V3.2's and V4's DSML tool calls (the reader and grammar)
     reasoning.py       the reasoning split (`--reasoning_parser`)
-    encoding_dsv32.py  DeepSeek-V3.2's prompt rules, which have no Jinja template
-                       (`--chat_template=deepseek_v32`)
+    encodings.py       the prompt rules that have no Jinja template (`--chat_template`):
+    encoding_dsv32.py    DeepSeek-V3.2's
+    encoding_dsv4.py     DeepSeek-V4's
 
 They import nothing of the engine: only text in, text (or calls) out, and the grammars
 structured/ compiles.

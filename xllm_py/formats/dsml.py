@@ -1,5 +1,7 @@
-"""DeepSeek-V3.2's tool calls, in DSML, read into OpenAI's `tool_calls` whole or streamed
-(`--tool_call_parser=deepseek_v32`; tool_parser.py dispatches here):
+"""DeepSeek-V3.2's and V4's tool calls, in DSML, read into OpenAI's `tool_calls` whole or
+streamed (`--tool_call_parser=deepseek_v32` / `deepseek_v4`; tool_parser.py dispatches
+here). V3.2's, as below; V4 names the section `tool_calls` where V3.2 has `function_calls`
+and is the same otherwise:
 
     text\n\n<｜DSML｜function_calls>
     <｜DSML｜invoke name="NAME">
@@ -41,8 +43,18 @@ from xllm_py.formats.stream_reader import (
 
 # DeepSeek-V3.2's DSML tags (text: the grammar and the reader need no token of them)
 DSML = "｜DSML｜"
-DSML_CALLS_BEGIN = f"<{DSML}function_calls>"
-DSML_CALLS_END = f"</{DSML}function_calls>"
+# The section's tag: V3.2's `function_calls`, DeepSeek-V4's `tool_calls` (the rest is one
+# grammar: --tool_call_parser deepseek_v32 / deepseek_v4)
+V32_CALLS, V4_CALLS = "function_calls", "tool_calls"
+DSML_CALLS_BEGIN = f"<{DSML}{V32_CALLS}>"
+DSML_CALLS_END = f"</{DSML}{V32_CALLS}>"
+
+
+def calls_tags(block: str) -> tuple[str, str]:
+    """The opening and closing tags of a section of calls named `block`."""
+    return f"<{DSML}{block}>", f"</{DSML}{block}>"
+
+
 DSML_INVOKE = f"<{DSML}invoke"  # then ` name="NAME">`
 DSML_INVOKE_END = f"</{DSML}invoke>"
 DSML_PARAM = f"<{DSML}parameter"  # then ` name="KEY" string="true|false">`
@@ -58,6 +70,7 @@ class DsmlStream(StreamReader):
     for it, as `ToolCallStream.feed` does."""
 
     parallel: bool = True  # False: only the first call is kept (parallel_tool_calls=false)
+    block: str = V32_CALLS  # the section's tag name (V4_CALLS for DeepSeek-V4)
     text: str = ""
     pos: int = 0  # text before pos is handled
     # content | calls | invoke | params | param | value | skip_param | skip | done
@@ -81,17 +94,16 @@ class DsmlStream(StreamReader):
 
     def _content(self, rest: str, final: bool, content: list[str]) -> bool:
         """Text before the calls (a possible start of `\n\n` and the marker held back)."""
-        i = rest.find(DSML_CALLS_BEGIN)
+        begin = calls_tags(self.block)[0]
+        i = rest.find(begin)
         if i >= 0:
             content.append(rest[:i].removesuffix(DSML_LEAD))
-            self.pos += i + len(DSML_CALLS_BEGIN)
+            self.pos += i + len(begin)
             self.state = "calls"
             return True
         keep = 0
         if not final:
-            keep = max(
-                held_back(rest, DSML_CALLS_BEGIN), held_back(rest, DSML_LEAD + DSML_CALLS_BEGIN)
-            )
+            keep = max(held_back(rest, begin), held_back(rest, DSML_LEAD + begin))
         content.append(rest[: len(rest) - keep])
         self.pos += len(rest) - keep
         return False
@@ -103,8 +115,9 @@ class DsmlStream(StreamReader):
             self.pos += len(rest) - len(stripped) + len(DSML_INVOKE)
             self.state = "invoke"
             return True
-        pending = DSML_INVOKE.startswith(stripped) or DSML_CALLS_END.startswith(stripped)
-        if stripped.startswith(DSML_CALLS_END) or final or not pending:
+        end = calls_tags(self.block)[1]
+        pending = DSML_INVOKE.startswith(stripped) or end.startswith(stripped)
+        if stripped.startswith(end) or final or not pending:
             self.state = "done"  # the calls ended (or something else began)
         return False
 
@@ -226,7 +239,7 @@ def _json_value(text: str) -> str:
     return text.strip()
 
 
-def dsml_section(fns: list[dict], single: bool) -> dict:
+def dsml_section(fns: list[dict], single: bool, block: str = V32_CALLS) -> dict:
     """DSML calls as DeepSeek's encoder writes them (`\n\n`, the calls' tag, one invoke a
     line, one parameter a line), each invoke's parameters following its function's
     schema: xgrammar's `deepseek_xml` style of a JSON schema, the same mapping the
@@ -261,5 +274,5 @@ def dsml_section(fns: list[dict], single: bool) -> dict:
         "at_least_one": True,
         "stop_after_first": single,
     }
-    begin = const(DSML_LEAD + DSML_CALLS_BEGIN + "\n")
-    return {"type": "sequence", "elements": [begin, body, const(DSML_CALLS_END)]}
+    begin, end = calls_tags(block)
+    return {"type": "sequence", "elements": [const(DSML_LEAD + begin + "\n"), body, const(end)]}

@@ -51,17 +51,16 @@ from typing import Any
 from xllm_py.formats import reasoning
 from xllm_py.formats.dsml import (
     DSML,
-    DSML_CALLS_BEGIN,
-    DSML_CALLS_END,
     DSML_INVOKE,
     DSML_INVOKE_END,
     DSML_LEAD,
     DSML_PARAM,
     DSML_PARAM_END,
+    V32_CALLS,
+    calls_tags,
 )
 
-NAME = "deepseek_v32"  # --chat_template
-CHAT_TEMPLATES = ("auto", NAME)
+NAME = "deepseek_v32"  # --chat_template (formats/encodings.py)
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
@@ -108,19 +107,6 @@ Here are the functions available in JSONSchema format:
 """  # noqa: E501
 
 
-def applies(chat_template: str, model_config: dict, has_own_template: bool) -> bool:
-    """Whether prompts are rendered here: `--chat_template=deepseek_v32`, or `auto` on a
-    checkpoint whose config.json `model_type` is deepseek_v32 and that has no chat
-    template (DeepSeek-V3.2-Exp ships V3.1's template, and keeps it)."""
-    if chat_template not in CHAT_TEMPLATES:
-        raise ValueError(
-            f"--chat_template={chat_template!r}: must be one of {', '.join(CHAT_TEMPLATES)}"
-        )
-    if chat_template == NAME:
-        return True
-    return model_config.get("model_type") == NAME and not has_own_template
-
-
 def render(
     messages: list[dict],
     tools: list[dict] | None = None,
@@ -160,7 +146,7 @@ def encode_messages(
 def _message(i: int, messages: list[dict], last_user: int, thinking: bool) -> tuple[str, str]:
     """(the message's own text, what opens the model's turn after it: "" for most)."""
     m = messages[i]
-    role, text = m["role"], _text(m.get("content"))
+    role, text = m["role"], text_of(m.get("content"))
     mark = THINK_START if thinking and i >= last_user else THINK_END
     if role == "system":
         return text, ""
@@ -174,7 +160,7 @@ def _message(i: int, messages: list[dict], last_user: int, thinking: bool) -> tu
         reasoning_text = m.get("reasoning_content") or ""
         thought = reasoning_text + THINK_END if thinking and i > last_user else ""
         calls = m.get("tool_calls") or []
-        block = DSML_LEAD + _dsml_calls(i, calls) if calls else ""
+        block = DSML_LEAD + dsml_calls(i, calls) if calls else ""
         return thought + text + block + EOS, ""
     if role == "tool":
         return _tool_result(i, messages, text, mark)
@@ -202,8 +188,9 @@ def _tool_result(i: int, messages: list[dict], text: str, mark: str) -> tuple[st
     return body + "\n" + RESULTS_END, DSML_LEAD + mark
 
 
-def _dsml_calls(i: int, calls: list[dict]) -> str:
-    """An assistant turn's tool calls as DSML (string arguments raw, the rest JSON)."""
+def dsml_calls(i: int, calls: list[dict], block: str = V32_CALLS) -> str:
+    """messages[i]'s tool calls as DSML (string arguments raw, the rest JSON), in a
+    section named `block`."""
     invokes = []
     for j, call in enumerate(calls):
         fn = call.get("function") or {}
@@ -220,7 +207,7 @@ def _dsml_calls(i: int, calls: list[dict]) -> str:
         params = [_dsml_param(k, v) for k, v in args.items()]
         header = f'{DSML_INVOKE} name="{fn.get("name")}">'
         invokes.append("\n".join([header, *params, DSML_INVOKE_END]))
-    return "\n".join([DSML_CALLS_BEGIN, *invokes, DSML_CALLS_END])
+    return "\n".join([calls_tags(block)[0], *invokes, calls_tags(block)[1]])
 
 
 def _dsml_param(key: str, value: Any) -> str:
@@ -229,12 +216,17 @@ def _dsml_param(key: str, value: Any) -> str:
     return f'{DSML_PARAM} name="{key}" string="{str(string).lower()}">{text}{DSML_PARAM_END}'
 
 
+def tool_schemas(tools: list[dict]) -> str:
+    """The functions' JSON (OpenAI's `tools`, or bare functions), one a line."""
+    return "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+
+
 def _tools_text(tools: list[dict]) -> str:
-    fns = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
-    return TOOLS_TEXT.format(d=DSML, fns=fns, think=THINK_START, end_think=THINK_END)
+    return TOOLS_TEXT.format(d=DSML, fns=tool_schemas(tools), think=THINK_START,
+                             end_think=THINK_END)  # fmt: skip
 
 
-def _text(content: Any) -> str:
+def text_of(content: Any) -> str:
     """A message's content as text (None: none; OpenAI's text parts joined)."""
     if content is None:
         return ""

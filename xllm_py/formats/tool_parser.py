@@ -16,6 +16,7 @@ say first, in one section of calls:
                   <|tool_call_begin|>functions.NAME2:1 ...
                   <|tool_call_end|><|tool_calls_section_end|>
     deepseek_v32  DeepSeek-V3.2's DSML: XML-ish parameters (dsml.py)
+    deepseek_v4   DeepSeek-V4's DSML: V3.2's, its section named `tool_calls` (dsml.py)
 
 (only V3's fences hold line breaks: the others here are this page's, not the model's).
 A `ToolCallFormat` holds what differs: the four markers; a call's header, from its begin
@@ -53,7 +54,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from xllm_py.formats.dsml import DsmlStream, dsml_section
+from xllm_py.formats.dsml import V4_CALLS, V32_CALLS, DsmlStream, dsml_section
 from xllm_py.formats.reasoning import held_back
 from xllm_py.formats.stream_reader import FN_NAME, StreamReader, ToolCall, const, new_call_id
 from xllm_py.structured import json_schema_grammar
@@ -120,7 +121,8 @@ FORMATS = {
                       _token(KIMI_ARGS_BEGIN)],
     ),
 }  # fmt: skip
-PARSERS = (*FORMATS, "deepseek_v32")
+DSML_PARSERS = {"deepseek_v32": V32_CALLS, "deepseek_v4": V4_CALLS}  # their section's tag
+PARSERS = (*FORMATS, *DSML_PARSERS)
 
 
 @dataclass
@@ -214,8 +216,8 @@ class ToolCallStream(StreamReader):
 
 def stream_for(parser: str, parallel: bool = True) -> StreamReader:
     """The reader of `parser`'s format (a name in PARSERS: --tool_call_parser)."""
-    if parser == "deepseek_v32":
-        return DsmlStream(parallel)
+    if parser in DSML_PARSERS:
+        return DsmlStream(parallel, DSML_PARSERS[parser])
     return ToolCallStream(parallel, FORMATS[parser])
 
 
@@ -239,8 +241,8 @@ def tool_call_grammar(
     (dsml.py's `dsml_section`)."""
     fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     single = only is not None or not parallel
-    if parser == "deepseek_v32":
-        section = dsml_section(fns, single)
+    if parser in DSML_PARSERS:
+        section = dsml_section(fns, single, DSML_PARSERS[parser])
         return json.dumps({"type": "structural_tag", "format": section}, ensure_ascii=False)
     fmt = FORMATS[parser]
 
