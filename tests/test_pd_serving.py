@@ -13,9 +13,11 @@ token and only among the decode daemon's --pd_prefill.
 The router (--pd_role=router) in front of a prefill and two decode daemons serves the
 openai client: completions and chat equal a decode daemon's own answers, streamed and
 not, and a required tool call comes back parsed; requests are spread over both decode
-daemons. A decode daemon killed mid-stream ends its client's stream with an error event
-and [DONE], and the next requests go to the other; the prefill daemon killed during a
-burst of requests leaves every one of them completing with its answer."""
+daemons; a stored response (Responses API) is read, continued with previous_response_id
+and deleted through the router, twice, on the daemon that holds it. A decode daemon
+killed mid-stream ends its client's stream with an error event and [DONE], and the next
+requests go to the other; the prefill daemon killed during a burst of requests leaves
+every one of them completing with its answer."""
 
 from __future__ import annotations
 
@@ -202,6 +204,19 @@ def test_the_router_serves_the_openai_client_and_routes_around_a_dead_decode_dae
         assert tc.function.name == "get_weather" and "city" in json.loads(tc.function.arguments)
         for d in [*decodes, prefill]:  # least loaded, ties in turn: both decoders served
             assert router.metric("xllm_router:requests_total", url=d.url) > 0
+        # a stored response lives on one decode daemon: reading it, continuing it and
+        # deleting it through the router reach that one, whichever the router would pick
+        first = client.responses.create(model=model, input="Name a colour.",
+                                        max_output_tokens=8, temperature=0)  # fmt: skip
+        for _ in range(2):
+            assert client.responses.retrieve(first.id).output_text == first.output_text
+            more = client.responses.create(model=model, input="And another?", temperature=0,
+                                           previous_response_id=first.id,
+                                           max_output_tokens=8)  # fmt: skip
+            assert more.previous_response_id == first.id
+        client.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError, match="no live decode instance holds"):
+            client.responses.retrieve(first.id)
 
         lines, killed = kill_mid_stream(router, decodes)
         assert (

@@ -13,6 +13,11 @@ router unchanged. The router's calls carry the cluster token when one is set.
   their API's shape (and OpenAI's `[DONE]`), the others a 502; new requests go elsewhere.
 - **No live decode instance.** 503 in the API's error shape. With no live prefill
   instance, decode instances are told to compute prompts themselves.
+- **Stored responses** (OpenAI's Responses API) live on the decode instance that made
+  them. GET and DELETE /v1/responses/{id}, and a POST /v1/responses whose
+  `previous_response_id` names one, go to the live decode instance that holds it (asked
+  in turn with GET /v1/responses/{id}); none holding it: 404 (the POST goes as any other,
+  and the instance answers that it has no such response).
 - **/health** is 200 while a decode instance is live; **/metrics** has each instance's
   state, requests and failures (Prometheus text).
 
@@ -136,6 +141,7 @@ class Router:
         headers = {h: request.headers[h] for h in PASSED_HEADERS if h in request.headers}
         if self.pd.token:
             headers[TOKEN_HEADER] = self.pd.token
+        holder = await self._previous_response_holder(path, body, headers)
         prefill = None
         if path in GENERATING:  # in flight until the answer's first bytes
             prefill = self.pick(self.prefill)
@@ -144,14 +150,49 @@ class Router:
                 prefill.requests += 1
                 prefill.in_flight += 1
         try:
-            return await self._send(request, body, headers, prefill)
+            return await self._send(request, body, headers, prefill, holder)
         except BaseException:
             self._done(prefill)
             raise
 
-    async def _send(self, request, body, headers, prefill) -> Response:
+    async def stored(self, request: Request) -> Response:
+        """GET / DELETE /v1/responses/{id}: to the decode instance that holds it."""
+        headers = {h: request.headers[h] for h in PASSED_HEADERS if h in request.headers}
+        if self.pd.token:
+            headers[TOKEN_HEADER] = self.pd.token
+        rid = request.path_params["response_id"]
+        holder = await self._holder(rid, headers)
+        if holder is None:
+            return _error(request.url.path, 404, f"no live decode instance holds response {rid!r}")
+        return await self._send(request, b"", headers, None, holder)
+
+    async def _holder(self, rid: str, headers: dict) -> Instance | None:
+        """The live decode instance that answers GET /v1/responses/{rid}, if any."""
+        for inst in [i for i in self.decode if i.live]:
+            try:
+                r = await self.client.get(f"{inst.url}/v1/responses/{rid}", headers=headers)
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                return inst
+        return None
+
+    async def _previous_response_holder(self, path: str, body: bytes, headers: dict):
+        """For POST /v1/responses continuing a stored response: the instance holding it."""
+        if path != "/v1/responses" or b"previous_response_id" not in body:
+            return None
+        try:
+            rid = json.loads(body).get("previous_response_id")
+        except (ValueError, AttributeError):
+            return None  # the daemon answers the malformed body
+        return await self._holder(rid, headers) if isinstance(rid, str) and rid else None
+
+    async def _send(self, request, body, headers, prefill, holder=None) -> Response:
+        """To `holder`, or else to the picked live decode instance (the next one when one
+        cannot be reached)."""
         path, tried = request.url.path, []
-        while (inst := self.pick(self.decode)) is not None:
+        while (inst := holder or self.pick(self.decode)) is not None:
+            holder = None  # one try for the holder: unreachable, it is down like any other
             upstream = self.client.build_request(
                 request.method, inst.url + path, params=request.query_params, content=body,
                 headers=headers)  # fmt: skip
@@ -232,6 +273,7 @@ class Router:
         routes = [Route(p, self.forward, methods=["POST"]) for p in API_ROUTES]
         routes += [
             Route("/v1/models", self.forward, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.stored, methods=["GET", "DELETE"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
