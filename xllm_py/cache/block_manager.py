@@ -100,11 +100,13 @@ class BlockManager:
 
     # ---- a prompt's blocks computed elsewhere (prefill/decode disaggregation, xllm_py/pd) ---
 
-    def prompt_hashes(self, prompt: list[int]) -> list[int]:
+    def prompt_hashes(self, prompt: list[int], hashes: list[int] | None = None) -> list[int]:
         """The prefix hashes of the prompt's blocks that a prefix-cache hit can cover: the
-        full blocks before its last token (find_cached_prefix's limit)."""
-        return extend_hashes([], prompt[: (len(prompt) - 1) // self.block_size * self.block_size],
-                             self.block_size)  # fmt: skip
+        full blocks before its last token (find_cached_prefix's limit). `hashes`: the
+        request's `block_hashes`, extended in place, so its admission does not hash the
+        prompt again."""
+        hashes = extend_hashes([] if hashes is None else hashes, prompt, self.block_size)
+        return hashes[: (len(prompt) - 1) // self.block_size]
 
     def cached_blocks(self, hashes: list[int]) -> list[int] | None:
         """The blocks cached under `hashes`, or None if any of them is not (evicted)."""

@@ -140,7 +140,7 @@ class DecodeSide:
         url = chosen if chosen is not None and self._usable(chosen) else self._next_url()
         if url is None:
             return False
-        held = blocks.reserve_prefix(blocks.prompt_hashes(req.prompt_token_ids))
+        held = blocks.reserve_prefix(blocks.prompt_hashes(req.prompt_token_ids, req.block_hashes))
         if held is None:
             return False
         if not held.block_ids:
