@@ -11,6 +11,9 @@ with its own FP8/FP4 dequantisation, gives exactly that copy's logits. Here:
 - through `LLM`, float32, a ragged batch of four: dequantised at load (--weight_dtype auto)
   and kept packed (--weight_dtype fp4, `Fp4Linear`) both give the reference's greedy
   tokens, with logprobs within 1e-5;
+- with --moe_backend triton (the fused MoE kernels, Triton's interpreter here) the
+  routed experts are two stacks, packed FP4 ones still packed, and give the same tokens,
+  logprobs within 1e-4;
 - the packed experts' resident bytes, read off the model's buffers, are at most 30% of
   the same experts in bfloat16 (0.2656: 4.25 bits a weight);
 - with MTP drafts (k = 2), the draft's experts are packed too, and greedy tokens equal
@@ -119,6 +122,20 @@ def test_quantised_v4_gives_its_dequantised_copys_tokens(checkpoints, reference,
     want_tokens, want_logprobs = reference
     assert tokens == want_tokens
     assert torch.allclose(logprobs, want_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("weight_dtype", ["auto", "fp4"])
+def test_the_fused_moe_kernels_give_the_expert_loops_tokens(checkpoints, reference, weight_dtype):
+    """--moe_backend triton (Triton's interpreter here): the routed experts as two stacks
+    through ops/fused_moe.py's kernels (packed FP4 unpacked tile by tile there, the
+    swiglu clamp in the kernel), the draft's too: the per-expert loop's tokens, logprobs
+    within 1e-4."""
+    llm, tokens, logprobs = run(checkpoints[0], weight_dtype=weight_dtype, moe_backend="triton")
+    moe = llm.engine.core.executor.worker.model.model.layers[0].ffn
+    assert isinstance(moe.w13, fp4.Fp4Weight if weight_dtype == "fp4" else torch.Tensor)
+    assert not hasattr(moe, "experts")  # the stacks replace the per-expert modules
+    assert tokens == reference[0]
+    assert torch.allclose(logprobs, reference[1], atol=1e-4, rtol=0)
 
 
 def test_packed_experts_take_under_30_percent_of_their_bf16_bytes(checkpoints):

@@ -208,6 +208,37 @@ def test_fused_moe_matches_reference(case, dtype):
         assert got[1].eq(0).all()
 
 
+def test_the_swiglu_limit_clamps_as_deepseek_v4s_experts_do():
+    """DeepSeek-V4's experts clamp gate at most L and up to [-L, L] before the silu
+    (models/deepseek_v4.py `Expert`); at L = 0.5 most of these activations are clamped, so
+    the kernel, the reference and V4's own expert modules must agree on it."""
+    from xllm_py.models.deepseek_v4 import Expert
+
+    case, limit = (17, 4, 8), 0.5
+    x, weights, ids = problem(case, torch.float32, seed=5)
+    n_local = case[2]
+    w13, w2 = dense_experts(n_local, torch.float32, torch.Generator().manual_seed(3))
+    got = fused_moe_triton(x, weights, ids, w13, w2, n_local, block_m=BLOCK_M,
+                           swiglu_limit=limit)  # fmt: skip
+    want = fused_moe_reference(x, weights, ids, w13, w2, n_local, swiglu_limit=limit)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    unclamped = fused_moe_reference(x, weights, ids, w13, w2, n_local)
+    assert (unclamped - want).abs().max() > 0.1  # the clamp acts here
+    modules = []
+    with torch.no_grad():
+        for e in range(n_local):
+            m = Expert(HIDDEN, INTER, limit)
+            m.w1.weight.copy_(w13[e, :INTER]), m.w3.weight.copy_(w13[e, INTER:])
+            m.w2.weight.copy_(w2[e])
+            modules.append(m)
+        loop = torch.zeros_like(x)
+        for t in range(case[0]):
+            for j, g in enumerate(ids[t].tolist()):
+                if n_local <= g < 2 * n_local:
+                    loop[t] += weights[t, j] * modules[g - n_local](x[t : t + 1])[0]
+    torch.testing.assert_close(want, loop, **CONTRACT_TOL[torch.float32])
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}k{}E{}".format(*c))
 def test_fused_moe_fp8_with_partial_edge_blocks_matches_reference(case):
     """hidden 160 and I 96: the last column block of w13 and of w2, the last row block of

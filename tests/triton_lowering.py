@@ -108,6 +108,8 @@ for name, block_n in (("_gate_up_kernel", 64), ("_down_kernel", 128)):
         constexprs = dict(FP8=False, INT4=INT4, DOT=dot, GROUP_K=32, BLOCK_M=16,
                           BLOCK_N=block_n, BLOCK_K=64,
                           PRECISION="ieee" if dtype == "fp32" else None)
+        if "LIMIT" in kernel.arg_names:  # gate/up: with DeepSeek-V4's swiglu clamp
+            constexprs["LIMIT"] = 10.0
         ir = lower_for_hopper(kernel, types, constexprs)
         out[name + "-" + dtype] = [m in ir for m in MARKERS]
 print(json.dumps(out))

@@ -117,8 +117,8 @@ class EngineArgs:
         "correctness check, very slow)", choices=list(ATTENTION_BACKENDS))  # fmt: skip
     moe_backend: str = option("auto", "model", "routed-expert kernel: torch (grouped loop "
         "over the active experts) or triton (fused MoE: sorted on the device, grouped GEMMs, "
-        "bf16 or block FP8). auto = triton on CUDA (and on NPU with triton-ascend), torch on "
-        "CPU", choices=list(MOE_BACKENDS))  # fmt: skip
+        "bf16, block FP8, packed INT4 or FP4). auto = triton on CUDA (and on NPU with "
+        "triton-ascend), torch on CPU", choices=list(MOE_BACKENDS))  # fmt: skip
     enable_mla: bool = option(True, "model", "use MLA attention (required: DeepSeek-V3 has only "
         "MLA)", check=lambda v: None if v else "DeepSeek-V3 models use MLA attention; it must "
         "be true")  # fmt: skip

@@ -30,7 +30,9 @@ are models/layers/compressed_attention.py.
 The MoE routes the first layers (`mlp_layer_types` "hash_moe") by a frozen token-to-expert
 table `tid2eid`, the rest by top-k of `sqrtsoftplus` scores plus a correction bias; the
 chosen scores are normalised and scaled, expert gate and up activations are clamped at
-`swiglu_limit`, and one shared expert is added.
+`swiglu_limit`, and one shared expert is added. The routed experts run as a loop over the
+chosen ones (torch), or with --moe_backend triton as two stacks through the fused MoE
+kernels (ops/fused_moe.py, the clamp inside them).
 
 Like V3, `forward(input_ids, positions)` takes a flat batch of any requests' tokens, and the
 batch's layout in the cache arrives through `models.context`; it returns the streams before
@@ -130,10 +132,34 @@ class MoE(nn.Module):
             Expert(cfg.hidden_size, inter, limit, routed=True) for _ in range(cfg.n_routed_experts)
         )
         self.shared_experts = Expert(cfg.hidden_size, inter, limit)
+        self.fused_moe = None  # ops/fused_moe.py's kernels, with --moe_backend triton
+        self.w13 = self.w2 = None  # then the experts' stacks (`use_kernels`)
+
+    def use_kernels(self, kernels) -> None:
+        """With the fused MoE kernels (ops/backends.py), the routed experts become two
+        stacks, [E, 2 * inter, hidden] (w1 rows, then w3's) and [E, hidden, inter]; packed
+        FP4 experts stay packed (`Fp4Weight`, unpacked tile by tile in the kernels)."""
+        self.fused_moe = kernels.fused_moe()
+        if self.fused_moe is None:
+            return
+        experts = list(self.experts)
+        with torch.no_grad():
+            if isinstance(experts[0].w1, fp4.Fp4Linear):
+                held = [[fp4.Fp4Weight(m.weight, m.weight_scale_inv) for m in (e.w1, e.w3, e.w2)]
+                        for e in experts]  # fmt: skip
+                self.w13 = fp4.Fp4Weight.stack([fp4.Fp4Weight.cat(h[:2]) for h in held])
+                self.w2 = fp4.Fp4Weight.stack([h[2] for h in held])
+            else:
+                self.w13 = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in experts])
+                self.w2 = torch.stack([e.w2.weight for e in experts])
+        del self.experts
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, input_ids)
         out = self.shared_experts(x)
+        if self.fused_moe is not None:
+            limit = self.shared_experts.limit
+            return out + self.fused_moe(x, weights, ids, self.w13, self.w2, 0, swiglu_limit=limit)
         for e in ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
             out = out.index_add(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])

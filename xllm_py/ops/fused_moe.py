@@ -15,6 +15,8 @@ Contract (that of models/layers/moe.py's `grouped_experts`):
     -> out   [T, hidden] in x.dtype:
              out[t] = sum_j weights[t, j] * w2[e] @ (silu(gate_e x_t) * up_e x_t),
              e = ids[t, j] - first_expert, over the j whose expert is owned
+             (DeepSeek-V4, swiglu_limit L > 0: gate_e x_t clamped to <= L, up_e x_t to
+             [-L, L], before the silu)
 
 Assignment a = t * top_k + j is (token t, its j-th expert). `align_by_expert` sorts the
 A = T * top_k assignments by local expert and pads each expert's run to a multiple of
@@ -166,6 +168,7 @@ def fused_moe_reference(
     w13: Weight,
     w2: Weight,
     first_expert: int,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """The contract in torch, rounding where the kernels round: gate/up and down in fp32
     from the run-dtype (or, for FP8, 1 x B1-quantised) inputs, act and each assignment's
@@ -182,6 +185,8 @@ def fused_moe_reference(
             continue
         h = _ref_linear(x[token_of[rows]], w13[e])
         gate, up = h.chunk(2, dim=-1)
+        if swiglu_limit > 0:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
         act = (F.silu(gate) * up).to(x.dtype)
         y = _ref_linear(act, w2[e]) * weights.reshape(-1)[rows].float().unsqueeze(1)
         out_a[rows] = y.to(x.dtype)
@@ -322,6 +327,15 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _swiglu(gate, up, LIMIT: tl.constexpr):
+        """silu(gate) * up; with LIMIT > 0 (DeepSeek-V4's swiglu_limit) gate clamped to at
+        most LIMIT and up to [-LIMIT, LIMIT] first."""
+        if LIMIT > 0:
+            gate = tl.minimum(gate, LIMIT)
+            up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        return gate * tl.sigmoid(gate) * up
+
+    @triton.jit
     def _gate_up_kernel(
         x_ptr,  # [T, K] run dtype, or float8 e4m3 (FP8)
         xs_ptr,  # [T, ceil(K / GROUP_K)] float32 (FP8 only)
@@ -355,6 +369,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        LIMIT: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         e = tl.load(expert_ptr + pid_m)
@@ -395,7 +410,7 @@ if triton is not None:
             else:
                 gate += tl.dot(xa.to(DOT), tl.trans(wg.to(DOT)), input_precision=PRECISION)
                 up += tl.dot(xa.to(DOT), tl.trans(wu.to(DOT)), input_precision=PRECISION)
-        act = gate * tl.sigmoid(gate) * up  # silu(gate) * up, fp32
+        act = _swiglu(gate, up, LIMIT)  # fp32
         tl.store(
             act_ptr + a.to(tl.int64)[:, None] * stride_aa + rn[None, :] * stride_ai,
             act.to(act_ptr.dtype.element_ty),
@@ -490,9 +505,11 @@ def fused_moe_triton(
     first_expert: int,
     *,
     block_m: int | None = None,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """The contract above as align_by_expert + the two kernels. `block_m`: rows per
-    program (a power of two >= 16); default `default_block_m`."""
+    program (a power of two >= 16); default `default_block_m`. `swiglu_limit` > 0
+    (DeepSeek-V4): gate clamped to at most it and up to [-limit, limit] before silu."""
     check_launch(_gate_up_kernel if triton else None, x.device, "fused_moe_triton")
     kind = _check_shapes(x, weights, ids, w13, w2)
     fp8 = kind == "fp8"
@@ -521,7 +538,8 @@ def fused_moe_triton(
         xin, xs, w, ws, rows, act, sorted_ids, expert_of_block,
         A, inter, hidden, top_k,
         *xin.stride(), *xs.stride(), *w.stride(), *ws.stride(), *act.stride(),
-        GROUP_K=group, BLOCK_N=block_n, BLOCK_K=block_k, **common, num_warps=4, num_stages=3,
+        GROUP_K=group, BLOCK_N=block_n, BLOCK_K=block_k, LIMIT=float(swiglu_limit), **common,
+        num_warps=4, num_stages=3,
     )  # fmt: skip
 
     hin, hs, w, ws, rows, group = _operands(act.to(x.dtype), w2)

@@ -26,12 +26,11 @@ Ways to hold them:
                        state dict): the model never sees a code. --weight_dtype auto.
   kept packed          `Fp4Linear` (--weight_dtype fp4): a V4 model built under
                        `fp4_resident(True)` holds each routed expert's matrices as the
-                       checkpoint stores them, 0.27 of bfloat16's bytes, and unpacks the
-                       whole matrix in torch at each call (V4's MoE runs each chosen expert
-                       in torch: models/deepseek_v4.py).
-  `Fp4Weight`          the same bytes as a stack of experts for ops/fused_moe.py's kernels,
-                       which unpack and scale tile by tile (checked against the torch
-                       reference; V4's MoE does not call them yet).
+                       checkpoint stores them, 0.27 of bfloat16's bytes. With the torch MoE
+                       backend each call unpacks the whole matrix in torch; with
+                       --moe_backend triton (auto on CUDA) V4's MoE stacks them into
+                       `Fp4Weight`s, which ops/fused_moe.py's kernels unpack and scale tile
+                       by tile (models/deepseek_v4.py `MoE.use_kernels`).
 
 `quantize_fp4` is the inverse, for tools and tests: per 32 columns the smallest power of two
 that lets the block's largest magnitude fit 6.0, then each value rounded to the nearest e2m1
