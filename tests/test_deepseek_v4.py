@@ -203,9 +203,9 @@ def test_v4_config_reads_the_release_field_names():
 
 
 def test_what_v4_does_not_serve_yet_is_refused_naming_it(tmp_path):
-    """MTP drafts without an MTP layer (or from a DSpark drafter), graph mode and more than
-    one node are refused for V4 at start-up, each naming the flag, field or tensor; without
-    them the config is accepted."""
+    """MTP drafts without an MTP layer (or from a DSpark drafter), graph mode and DP
+    attention are refused for V4 at start-up, each naming the flag, field or tensor;
+    without them the config is accepted."""
     hf_checkpoint("hc2-sliding-csa-hca", tmp_path)
     model = ModelConfig.from_pretrained(tmp_path)
     assert model.architecture == "DeepseekV4ForCausalLM"
@@ -228,8 +228,10 @@ def test_what_v4_does_not_serve_yet_is_refused_naming_it(tmp_path):
         EngineConfig(device=DeviceConfig(enable_graph=True), **args)
     # the daemon's graph mode where it pays (CPU, float32) stays off for V4 unless asked for
     assert not EngineArgs(model=str(tmp_path), dtype="float32").engine_config().device.enable_graph
-    cluster = EngineArgs(model=str(tmp_path), nnodes=2, master_node_addr="127.0.0.1:1")
-    with pytest.raises(ValueError, match="--nnodes=2: .*DeepSeek-V4, which runs on one node"):
+    # a cluster runs V4 (tests/test_deepseek_v4_parallel.py), but not with DP attention
+    cluster = EngineArgs(model=str(tmp_path), nnodes=2, master_node_addr="127.0.0.1:1",
+                         dp_size=2, ep_size=2, enable_dp_attention=True)  # fmt: skip
+    with pytest.raises(ValueError, match="--enable_dp_attention: .*DeepSeek-V4, whose DP"):
         cluster_options(cluster, EngineConfig(device=DeviceConfig(), **args))
     # the release's quantisation is read (tests/test_deepseek_v4_quantised.py), V4's
     # top-level expert_dtype into quantization_config as V4.1 has it

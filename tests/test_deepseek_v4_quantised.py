@@ -83,7 +83,8 @@ def reference(checkpoints):
 
 
 def experts(model) -> list[torch.nn.Module]:
-    return [m for layer in model.model.layers for e in layer.ffn.experts for m in e.children()]
+    layers = model.model.layers
+    return [m for layer in layers for e in layer.ffn.experts.values() for m in e.children()]
 
 
 def test_the_tool_writes_the_release_layout(checkpoints):

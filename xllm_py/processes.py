@@ -106,10 +106,10 @@ def cluster_options(a: EngineArgs, config: EngineConfig) -> ClusterOptions | Non
     model must split over the layout (ValueError naming the numbers)."""
     if a.nnodes == 1:
         return None
-    if config.model.is_v4:
+    if config.model.is_v4 and a.enable_dp_attention:
         raise ValueError(
-            f"--nnodes={a.nnodes}: {config.model.path} is DeepSeek-V4, which runs on one node "
-            "only (its tensor, expert and data parallelism are not implemented)"
+            f"--enable_dp_attention: {config.model.path} is DeepSeek-V4, whose DP attention "
+            "is not implemented (its tensor, expert and data parallelism are)"
         )
     from xllm_py.cluster.layout import options_from_args
 

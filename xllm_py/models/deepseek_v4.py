@@ -41,8 +41,9 @@ the head's collapse (`hc_head`, `norm`: `compute_logits` applies them), since th
 `DeepseekV4ForCausalLM` (tests/test_deepseek_v4.py, one request in chunks) and through
 the engine (tests/test_deepseek_v4_engine.py). The release's quantised weights (block-FP8
 attention and shared experts, FP4 routed experts) are dequantised by the loader, or the
-routed experts kept packed (weights/fp4.py `Fp4Linear`, --weight_dtype fp4). Not here:
-tensor / expert parallelism, graph mode; config.py refuses them for V4. Parameter names
+routed experts kept packed (weights/fp4.py `Fp4Linear`, --weight_dtype fp4). Tensor and
+expert parallelism: `DeepseekV4ForCausalLM`. Not here: DP attention, graph mode (config.py
+refuses them for V4). Parameter names
 are those HF's `save_pretrained` writes (the release's: `attn.wq_a`, `attn.compressor.ape`,
 `ffn.gate.tid2eid`, `hc_attn_fn`, ...).
 """
@@ -63,8 +64,10 @@ from xllm_py.models.layers.compressed_attention import (
     group_view,
     linear,
     rms,
+    shard,
 )
 from xllm_py.models.layers.norm import RMSNorm
+from xllm_py.models.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from xllm_py.parallel.context import SINGLE, ParallelContext
 from xllm_py.weights import fp4
 
@@ -81,11 +84,28 @@ SCORES = {
 
 
 class Expert(nn.Module):
-    def __init__(self, hidden: int, inter: int, limit: float, routed: bool = False) -> None:
-        """`routed`: a routed expert, whose matrices may be held packed (weights/fp4.py)."""
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        limit: float,
+        routed: bool = False,
+        parallel: ParallelContext = SINGLE,
+    ) -> None:
+        """`routed`: a routed expert, whose matrices may be held packed (weights/fp4.py).
+        Under tensor parallelism this rank holds a share of the intermediate columns (w1
+        and w3 rows, w2 columns) and its output is a partial sum."""
         super().__init__()
+        inter = parallel.split(inter, "moe_intermediate_size")
         make = fp4.expert_linear if routed else linear
         self.w1, self.w2, self.w3 = make(hidden, inter), make(inter, hidden), make(hidden, inter)
+        if parallel.tp_size > 1 and isinstance(self.w1, fp4.Fp4Linear):
+            raise ValueError(
+                "weight_dtype=fp4 with tensor parallelism keeps routed experts packed only "
+                "whole: set --ep_size equal to the ranks per replica"
+            )
+        for p, dim in ((self.w1.weight, 0), (self.w3.weight, 0), (self.w2.weight, 1)):
+            shard(p, dim, parallel)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,14 +144,26 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: V4Config, hashed: bool) -> None:
+    def __init__(self, cfg: V4Config, hashed: bool, parallel: ParallelContext = SINGLE) -> None:
+        """Expert parallel (ep_size > 1: the tensor-parallel ranks): this rank holds
+        experts [first_expert, first_expert + E / ep) whole (`experts`, keyed by global id
+        as the checkpoint names them; the others are `remote_weight_prefixes`, which the
+        loader skips). Otherwise every routed expert is split over the tensor-parallel
+        ranks on its intermediate columns, as the shared expert always is. Either way the
+        ranks' partial sums are added once."""
         super().__init__()
-        inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
+        inter, limit, E = cfg.moe_intermediate_size, cfg.swiglu_limit, cfg.n_routed_experts
+        n_local = parallel.split(E, "n_routed_experts", over="ep_size")
+        self.first_expert = parallel.ep_rank * n_local if parallel.ep_size > 1 else 0
+        local = range(self.first_expert, self.first_expert + n_local)
+        self.remote_weight_prefixes = tuple(f"experts.{e}." for e in range(E) if e not in local)
         self.gate = Gate(cfg, hashed)
-        self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, inter, limit, routed=True) for _ in range(cfg.n_routed_experts)
+        routed_tp = SINGLE if parallel.ep_size > 1 else parallel
+        self.experts = nn.ModuleDict(
+            {str(e): Expert(cfg.hidden_size, inter, limit, True, routed_tp) for e in local}
         )
-        self.shared_experts = Expert(cfg.hidden_size, inter, limit)
+        self.shared_experts = Expert(cfg.hidden_size, inter, limit, parallel=parallel)
+        self.parallel = parallel
         self.fused_moe = None  # ops/fused_moe.py's kernels, with --moe_backend triton
         self.w13 = self.w2 = None  # then the experts' stacks (`use_kernels`)
 
@@ -142,7 +174,7 @@ class MoE(nn.Module):
         self.fused_moe = kernels.fused_moe()
         if self.fused_moe is None:
             return
-        experts = list(self.experts)
+        experts = list(self.experts.values())
         with torch.no_grad():
             if isinstance(experts[0].w1, fp4.Fp4Linear):
                 held = [[fp4.Fp4Weight(m.weight, m.weight_scale_inv) for m in (e.w1, e.w3, e.w2)]
@@ -158,12 +190,16 @@ class MoE(nn.Module):
         ids, weights = self.gate(x, input_ids)
         out = self.shared_experts(x)
         if self.fused_moe is not None:
-            limit = self.shared_experts.limit
-            return out + self.fused_moe(x, weights, ids, self.w13, self.w2, 0, swiglu_limit=limit)
+            routed = self.fused_moe(x, weights, ids, self.w13, self.w2, self.first_expert,
+                                    swiglu_limit=self.shared_experts.limit)  # fmt: skip
+            return self.parallel.all_reduce(out + routed)
         for e in ids.unique().tolist():
+            if str(e) not in self.experts:
+                continue  # another rank's
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            out = out.index_add(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
-        return out
+            y = self.experts[str(e)](x[rows]) * weights[rows, slot, None]
+            out = out.index_add(0, rows, y)
+        return self.parallel.all_reduce(out)
 
 
 def hyper_weights(streams, fn, base, scale, cfg: V4Config):
@@ -186,7 +222,13 @@ def hyper_weights(streams, fn, base, scale, cfg: V4Config):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: V4Config, i: int, ropes: dict[str, Rope], kind: str = "", hashed: bool = False
+        self,
+        cfg: V4Config,
+        i: int,
+        ropes: dict[str, Rope],
+        kind: str = "",
+        hashed: bool = False,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
         """Layer i of the config's (its kind and routing from `layer_types` and
         `mlp_layer_types`), or past them (an MTP block: `kind` and `hashed` given)."""
@@ -194,8 +236,8 @@ class DecoderLayer(nn.Module):
         n = cfg.hc_mult
         if i < len(cfg.layer_types):
             kind, hashed = cfg.layer_types[i], cfg.mlp_layer_types[i] == "hash_moe"
-        self.attn = Attention(cfg, kind, ropes, cache_index=i)
-        self.ffn = MoE(cfg, hashed)
+        self.attn = Attention(cfg, kind, ropes, i, parallel)
+        self.ffn = MoE(cfg, hashed, parallel)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         for part in ("attn", "ffn"):
@@ -251,35 +293,39 @@ def collapse(streams, fn, base, scale, cfg: V4Config) -> torch.Tensor:
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, cfg: V4Config) -> None:
+    def __init__(self, cfg: V4Config, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.ropes = {
             "main": Rope(cfg.main_rope, cfg.rope_dim, cfg.max_position_embeddings),
             "compress": Rope(cfg.compress_rope, cfg.rope_dim, cfg.max_position_embeddings),
         }
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.ropes) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, self.ropes, parallel=parallel)
+            for i in range(cfg.num_hidden_layers)
         )
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    """One process holds the whole model: `parallel` must be SINGLE (tensor and expert
-    parallelism for V4 are not built)."""
+    """Under tensor (and expert) parallelism (`parallel`) each rank holds its share of the
+    attention heads and experts (compressed_attention.py `Attention`, `MoE` here) and of
+    the embedding's and head's vocabulary rows (layers/vocab_parallel.py); the
+    hyper-connections, compressors and indexer are whole on every rank. DP attention is
+    not built for V4."""
 
     def __init__(self, cfg: V4Config, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        if parallel.tp_size > 1 or parallel.ep_size > 1 or parallel.dp_attention:
+        if parallel.dp_attention:
             raise ValueError(
-                "DeepseekV4ForCausalLM runs on one rank only: tensor, expert and DP-attention "
-                "parallelism for V4 are not implemented (--nnodes=1)"
+                "DeepseekV4ForCausalLM: DP attention (--enable_dp_attention) is not "
+                "implemented for DeepSeek-V4; use tensor and expert parallelism"
             )
         self.config = cfg
         self.parallel = parallel
-        self.model = DeepseekV4Model(cfg)
-        self.head = linear(cfg.hidden_size, cfg.vocab_size)
+        self.model = DeepseekV4Model(cfg, parallel)
+        self.head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, parallel)
         if cfg.tie_word_embeddings:
             self.head.weight = self.model.embed_tokens.weight
 

@@ -39,8 +39,8 @@ class MTPLayer(DecoderLayer):
     """The block (`attn.*`, `ffn.*`, `hc_attn_*`, ... as a target layer's) and the pieces
     around it, all `mtp.{j}.*` in the release."""
 
-    def __init__(self, cfg: V4Config, j: int, ropes) -> None:
-        super().__init__(cfg, cfg.num_hidden_layers + j, ropes, kind=SLIDING)
+    def __init__(self, cfg: V4Config, j: int, ropes, parallel) -> None:
+        super().__init__(cfg, cfg.num_hidden_layers + j, ropes, kind=SLIDING, parallel=parallel)
         n, hidden = cfg.hc_mult, cfg.hidden_size
         self.e_proj, self.h_proj = linear(hidden, hidden), linear(hidden, hidden)
         self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
@@ -57,8 +57,9 @@ class MTPLayer(DecoderLayer):
 
 
 class DeepseekV4MTP(nn.Module):
-    """The draft: `num_mtp_layers` MTP layers over a loaded V4 target (one rank: V4 runs
-    unsharded). The proposer (speculative/mtp_proposer.py) drives it as it drives V3's."""
+    """The draft: `num_mtp_layers` MTP layers over a loaded V4 target, sharded as the
+    target is (its `parallel`). The proposer (speculative/mtp_proposer.py) drives it as it
+    drives V3's."""
 
     def __init__(self, cfg: V4Config, target: DeepseekV4ForCausalLM, num_mtp_layers: int) -> None:
         super().__init__()
@@ -70,7 +71,7 @@ class DeepseekV4MTP(nn.Module):
         self.config = cfg
         self.parallel = target.parallel
         self.mtp = nn.ModuleList(
-            MTPLayer(cfg, j, target.model.ropes) for j in range(num_mtp_layers)
+            MTPLayer(cfg, j, target.model.ropes, target.parallel) for j in range(num_mtp_layers)
         )
         self._target = [target]  # shared, deliberately not registered
 

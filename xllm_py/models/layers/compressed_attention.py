@@ -50,8 +50,10 @@ from torch import nn
 from xllm_py.config import RopeConfig
 from xllm_py.models.context import AttnGroup, get_forward_context
 from xllm_py.models.deepseek_v4_config import CSA, SLIDING, V4Config
+from xllm_py.models.layers.linear import Shard
 from xllm_py.models.layers.norm import RMSNorm
 from xllm_py.models.layers.rope import RotaryEmbedding, apply_rope
+from xllm_py.parallel.context import SINGLE, ParallelContext
 
 # Query rows of a group attended at once: bounds a prefill chunk's logits to
 # [B, QUERY_CHUNK, heads, QUERY_CHUNK + sliding_window + entries].
@@ -60,6 +62,13 @@ QUERY_CHUNK = 256
 
 def linear(dim_in: int, dim_out: int) -> nn.Linear:
     return nn.Linear(dim_in, dim_out, bias=False)
+
+
+def shard(p: torch.Tensor, dim: int, parallel: ParallelContext) -> None:
+    """Mark `p` as this tensor-parallel rank's part `dim`-wise of the checkpoint's tensor,
+    which the loader reads as a slice (models/layers/linear.py `Shard`)."""
+    if parallel.tp_size > 1:
+        p.shard = Shard(dim, parallel.tp_rank, parallel.tp_size)
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -272,17 +281,35 @@ class Attention(nn.Module):
     """Shared-KV multi-query attention of one layer over its cache rows (`cache_index`);
     `cache_width` numbers per token (module docstring)."""
 
-    def __init__(self, cfg: V4Config, kind: str, ropes: dict[str, Rope], cache_index: int):
+    def __init__(
+        self,
+        cfg: V4Config,
+        kind: str,
+        ropes: dict[str, Rope],
+        cache_index: int,
+        parallel: ParallelContext = SINGLE,
+    ):
+        """Under tensor parallelism this rank holds its share of the query heads (and their
+        sinks) and of the output groups, whole groups of whole heads; the key (one shared
+        head), the compressors and the indexer are whole on every rank, which all write the
+        same cache rows. The output is summed over the ranks (`wo_b`'s input columns)."""
         super().__init__()
-        h, d, i = cfg.num_attention_heads, cfg.head_dim, cfg.index_head_dim
+        d, i = cfg.head_dim, cfg.index_head_dim
+        h = parallel.split(cfg.num_attention_heads, "num_attention_heads")
+        self.groups = parallel.split(cfg.o_groups, "o_groups")
         self.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = linear(cfg.q_lora_rank, h * d)
         self.wkv = linear(cfg.hidden_size, d)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)  # per group
-        self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        per_group = cfg.num_attention_heads * d // cfg.o_groups
+        self.wo_a = linear(per_group, self.groups * cfg.o_lora_rank)  # block-diagonal, by group
+        self.wo_b = linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        for p, dim in ((self.wq_b.weight, 0), (self.wo_a.weight, 0), (self.wo_b.weight, 1),
+                       (self.attn_sink, 0)):  # fmt: skip
+            shard(p, dim, parallel)
+        self.parallel = parallel
         self.rope_name = "main" if kind == SLIDING else "compress"
         self.rope = ropes[self.rope_name]
         proj = {SLIDING: 0, CSA: 2 * d}.get(kind, d)  # the compressor's projection width
@@ -316,9 +343,10 @@ class Attention(nn.Module):
         for view in views:
             out[view.rows[view.valid]] = self._group(q, iq, rows, view)[view.valid]
         out = self.rope.rotate(out, cis, inverse=True)  # K = V carried the keys' rotation
-        groups = out.reshape(T, cfg.o_groups, -1)  # [T, G, heads * dim / G]
-        w = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        return self.wo_b(torch.einsum("sgi,goi->sgo", groups, w).reshape(T, -1))
+        groups = out.reshape(T, self.groups, -1)  # [T, G, heads * dim / G]
+        w = self.wo_a.weight.view(self.groups, cfg.o_lora_rank, -1)
+        out = self.wo_b(torch.einsum("sgi,goi->sgo", groups, w).reshape(T, -1))
+        return self.parallel.all_reduce(out)
 
     def compressors(self) -> list[Compressor]:
         """This layer's compressors, in the order of their token columns."""
