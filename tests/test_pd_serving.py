@@ -17,7 +17,13 @@ daemons; a stored response (Responses API) is read, continued with previous_resp
 and deleted through the router, twice, on the daemon that holds it. A decode daemon
 killed mid-stream ends its client's stream with an error event and [DONE], and the next
 requests go to the other; the prefill daemon killed during a burst of requests leaves
-every one of them completing with its answer."""
+every one of them completing with its answer.
+
+The acceptance runs, through 1 prefill + 1 decode daemon + the router, prompts prefilled
+in chunks: 32 held-out prompts give a colocated daemon's greedy tokens and logprobs at k = 0
+and k = 2 (the same drafts accepted), as do 4 of them cut short, whose blocks the decode
+daemon finds in its own prefix cache; at k = 2 the T = 1 distribution of the first four
+tokens equals the colocated daemon's (chi-square, 1,008 samples an arm)."""
 
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import signal
 import openai
 import pytest
 
+from tests.chisquare import ALPHA, homogeneity
 from tests.server_utils import HTTP, Server, spec_totals
 from xllm_py import LLM
 from xllm_py.pd import transfer
@@ -237,3 +244,78 @@ def test_the_router_serves_the_openai_client_and_routes_around_a_dead_decode_dae
             for f, w in zip(burst, colocated["cut"]):
                 assert_same(f.result(timeout=120), w)
         assert router.metric("xllm_router:instance_up", url=prefill.url) == 0
+
+
+# ---- the acceptance runs: 32 held-out prompts, k = 0 and 2, and sampled tokens ---------------
+
+CHUNK = 64  # --max_tokens_per_batch: most of the 32 prompts take several prefill steps
+SAMPLES = 1008  # per arm: 63 requests of n = 16
+SAMPLE_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def prompts32():
+    tok = LLM(dtype="float32", max_cache_size=1 << 20).get_tokenizer()
+    texts = held_out_user_turns(32, 200, 1200)
+    assert len(texts) == 32
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+
+
+def sampled(url: str, ids: list[int]) -> list[list[str]]:
+    """SAMPLES unseeded continuations of `ids` at T = 1, SAMPLE_TOKENS tokens each."""
+    body = {"prompt": ids, "max_tokens": SAMPLE_TOKENS, "temperature": 1.0, "n": 16,
+            "ignore_eos": True, "logprobs": 0}  # fmt: skip
+
+    def one(_) -> list[list[str]]:
+        r = HTTP.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return [c["logprobs"]["tokens"] for c in r.json()["choices"]]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return [t for batch in pool.map(one, range(SAMPLES // 16)) for t in batch]
+
+
+def greedy(url: str, prompts: list[list[int]]):
+    """Greedy answers to the prompts, then to each of the first four cut short (the
+    decode side's prefix cache has their full blocks: nothing moves)."""
+    return [complete(url, p) for p in prompts] + [complete(url, cut(p)) for p in prompts[:4]]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_32_prompts_and_sampled_tokens_through_the_router_are_colocated_decodings(
+    prompts32, shallow_model, k
+):
+    """1 prefill + 1 decode + the router, prompts in chunks of CHUNK tokens: the greedy
+    tokens and logprobs of a colocated daemon on 32 held-out prompts (and on 4 prefix-cache
+    hits on the decode side), with the same drafts accepted; at k = 2 also T = 1 samples
+    whose distribution at every position is the colocated daemon's (chi-square). On the
+    shallow copy of the bundled model (conftest.py: what is compared holds for any
+    weights), with its MTP layer."""
+    # a cache that holds every prompt's blocks (FLAGS's evicts the first ones by the last)
+    flags = [f for f in FLAGS if not f.startswith(("--num_speculative", "--max_cache_size"))]
+    flags += [f"--num_speculative_tokens={k}", f"--max_tokens_per_batch={CHUNK}",
+              "--max_cache_size=64000000", "--model", shallow_model]  # fmt: skip
+    with Server(*flags) as s:
+        want, want_drafts = greedy(s.url, prompts32), spec_totals(s.url)[:2]
+        want_samples = sampled(s.url, prompts32[0]) if k else None
+    env = {"XLLM_CLUSTER_TOKEN": TOKEN}
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(Server(*flags, "--pd_role=prefill", env=env))
+        decode = stack.enter_context(
+            Server(*flags, "--pd_role=decode", f"--pd_prefill={prefill.url}", env=env)
+        )
+        router = stack.enter_context(Server("--pd_role=router", "--pd_decode", decode.url,
+                                            "--pd_prefill", prefill.url))  # fmt: skip
+        for g, w in zip(greedy(router.url, prompts32), want):
+            assert_same(g, w)
+        assert spec_totals(decode.url)[:2] == want_drafts  # (0, 0) at k = 0
+        # every full block moved once: the cut prompts (and the samples) found them cached
+        moved = sum((len(p) - 1) // BLOCK for p in prompts32)
+        assert decode.metric("xllm:pd_kv_blocks_total") == moved
+        assert decode.metric("xllm:pd_transfer_failures_total") == 0
+        if k:
+            got_samples = sampled(router.url, prompts32[0])
+            for i in range(SAMPLE_TOKENS):
+                v = homogeneity([t[i] for t in got_samples], [t[i] for t in want_samples])
+                assert v.p_value > ALPHA, f"position {i}: {v}"
+            assert got_samples != want_samples  # two samples, not one twice
