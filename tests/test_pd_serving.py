@@ -4,11 +4,11 @@ prompts' blocks moved by Mooncake's transfer engine. Through the decode daemon, 
 completions equal a colocated daemon's, tokens and logprobs, with MTP (k = 2), and as many
 drafts are accepted: the decode daemon found every moved block in its prefix cache (its
 /metrics), so it computed only each prompt's last partial block. A decode daemon of
-another block size is refused at its first request, the field named (the client's error
-under --pd_on_transfer_failure=error), and computes its prompts itself; so does the first
-one once the prefill daemon is gone, with the same answers. A prefill call without the
-cluster token is refused; a router's choice of prefill instance counts only with the
-token and only among the decode daemon's --pd_prefill.
+another block size is refused at its first request, the field named (an error event in
+the client's stream under --pd_on_transfer_failure=error), and computes its prompts
+itself; so does the first one once the prefill daemon is gone, with the same answers. A
+prefill call without the cluster token is refused; a router's choice of prefill instance
+counts only with the token and only among the decode daemon's --pd_prefill.
 
 The router (--pd_role=router) in front of a prefill and two decode daemons serves the
 openai client: completions and chat equal a decode daemon's own answers, streamed and
@@ -127,15 +127,18 @@ def test_decode_through_a_prefill_instance_is_colocated_decoding(prompts, coloca
             assert dec.metric("xllm:pd_transfer_failures_total") == 0
             hits = dec.metric(HITS)
             # another block size: refused at the first request, naming the field (an error
-            # for the client under --pd_on_transfer_failure=error), and the decode daemon
-            # computes its prompts itself from then on
+            # event in the client's stream under --pd_on_transfer_failure=error), and the
+            # decode daemon computes its prompts itself from then on
             other = [f for f in FLAGS if not f.startswith("--block_size")] + ["--block_size=32"]
             with Server(*other, "--pd_role=decode", f"--pd_prefill={prefill.url}",
                         "--pd_on_transfer_failure=error", env=env) as odd:  # fmt: skip
-                body = {"prompt": prompts[0], "max_tokens": 4}
-                r = HTTP.post(odd.url + "/v1/completions", json=body, timeout=120)
-                assert r.status_code == 500, r.text
-                assert "block_size: this instance has 16, the peer 32" in r.text
+                body = {"prompt": prompts[0], "max_tokens": 4, "stream": True}
+                with HTTP.stream("POST", odd.url + "/v1/completions", json=body,
+                                 timeout=120) as r:  # fmt: skip
+                    events = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
+                assert events[-1] == "[DONE]"  # the stream's last event before it: the error
+                error = json.loads(events[-2])["error"]["message"]
+                assert "block_size: this instance has 16, the peer 32" in error
                 assert_same(complete(odd.url, prompts[0]), want[0])
                 assert "block_size: this instance has 16, the peer 32" in odd.output()
             assert "not compatible, not asked again" in odd.output()
