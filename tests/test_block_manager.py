@@ -98,3 +98,39 @@ def test_bad_block_size_is_rejected_by_config(bad):
 
     with pytest.raises(ValueError, match="block_size"):
         CacheConfig(block_size=bad)
+
+
+def test_moved_blocks_are_held_until_their_request_is_admitted():
+    """PD decode (pd/roles.py): blocks moved for a waiting request are held, so no other
+    allocation evicts them before the request is admitted; admitted, it owns them. With
+    nothing running, held blocks that leave the queue's head no room are let go."""
+    from xllm_py.config import SchedulerConfig
+    from xllm_py.engine.scheduler import Scheduler
+
+    bm = BlockManager(num_blocks=6, block_size=4)
+    sched = Scheduler(SchedulerConfig(), bm)
+    a = req("a", list(range(9)))  # 2 full blocks before its last token: moved and held
+    held = bm.reserve_prefix(bm.prompt_hashes(a.prompt_token_ids, a.block_hashes))
+    bm.commit_prefix(held, hold=True)
+    a.prefix_hold = held
+    b = req("b", list(range(100, 120)))  # needs 5 blocks: only 4 are not held
+    assert not bm.allocate(b, 20)
+    assert bm.cached_blocks(held.hashes) is not None
+    sched.add_request(a)
+    sched.schedule()
+    assert a.num_computed_tokens == 8 and a.prefix_hold is None  # both blocks were hits
+    assert [bm.ref_count[x] for x in a.block_ids[:2]] == [1, 1]  # its own, nothing else's
+    sched.finish_request("a")
+    assert bm.num_free_blocks == 6
+    # nothing running: the head needs 5 blocks, a waiting request holds 2 of the 6
+    c = req("c", list(range(200, 209)))
+    held = bm.reserve_prefix(bm.prompt_hashes(c.prompt_token_ids, c.block_hashes))
+    bm.commit_prefix(held, hold=True)
+    c.prefix_hold = held
+    sched.add_request(b)
+    sched.add_request(c)
+    out = sched.schedule()
+    assert "b" in out.num_scheduled_tokens and c.prefix_hold is None  # let go, b admitted
+    sched.finish_request("b")
+    sched.finish_request("c")
+    assert bm.num_free_blocks == 6

@@ -122,14 +122,17 @@ class BlockManager:
             return None
         return PrefixImport([hashes[i] for i in missing], [self._take_free() for _ in missing])
 
-    def commit_prefix(self, imp: PrefixImport) -> None:
-        """The blocks hold their KV now: cache them under their hashes, then let them go
-        (free, and findable: the request that needs them takes them as prefix-cache hits)."""
+    def commit_prefix(self, imp: PrefixImport, hold: bool = False) -> None:
+        """The blocks hold their KV now: cache them under their hashes (findable: the
+        request that needs them takes them as prefix-cache hits), then let them go, or with
+        `hold` keep them held until `abort_prefix` (its request's admission: no other
+        allocation can evict them meanwhile)."""
         for h, bid in zip(imp.hashes, imp.block_ids):
             if h not in self._cached:
                 self._cached[h] = bid
                 self.block_hash[bid] = h
-        self.abort_prefix(imp)
+        if not hold:
+            self.abort_prefix(imp)
 
     def abort_prefix(self, imp: PrefixImport) -> None:
         """Let the held blocks go; uncommitted ones come back unhashed (the transfer failed)."""

@@ -47,6 +47,8 @@ class Request:
         self.num_accepted_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full blocks of all_token_ids
+        # PD decode: the blocks moved for its prompt, held until it is admitted (pd/roles.py)
+        self.prefix_hold = None
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.num_preemptions = 0
         self.finish_reason: str | None = None

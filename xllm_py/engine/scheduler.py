@@ -112,6 +112,7 @@ class Scheduler:
         return req
 
     def _release(self, req: Request) -> None:
+        self._drop_hold(req)
         req.status = RequestStatus.FINISHED
         self.spec_stats.record_request(req.num_draft_tokens, req.num_accepted_tokens)
         self.blocks.free(req)
@@ -189,7 +190,10 @@ class Scheduler:
                     break
                 n = budget
             if not self.blocks.allocate(req, n, self.num_lookahead, hits):
+                if not self.running and self._drop_holds():
+                    continue  # other requests' held blocks left no room: evictable now
                 break
+            self._drop_hold(req)  # its moved blocks are its own now
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = len(hits) * self.blocks.block_size
@@ -208,6 +212,21 @@ class Scheduler:
             req.num_blocks_sent = len(req.block_ids)
             out.num_scheduled_tokens[req.req_id] = n
             budget -= n
+
+    def _drop_hold(self, req: Request) -> None:
+        """PD decode: let the blocks moved for `req` go (it owns them now, or it is gone)."""
+        if req.prefix_hold is not None:
+            self.blocks.abort_prefix(req.prefix_hold)
+            req.prefix_hold = None
+
+    def _drop_holds(self) -> bool:
+        """Let every waiting request's moved blocks go (they stay cached until evicted):
+        with nothing running, held blocks must not keep the queue from moving. Whether any
+        were held."""
+        held = [r for r in self.waiting if r.prefix_hold is not None]
+        for r in held:
+            self._drop_hold(r)
+        return bool(held)
 
     def _emit_cached(self, req: Request, n: int, out: SchedulerOutput) -> None:
         out.cached_requests.append(

@@ -178,8 +178,10 @@ class DecodeSide:
             del self.waiting[req_id]
             error = w.future.exception()
             if error is None:
-                moved = len(w.held.block_ids)  # (commit_prefix hands them on)
-                blocks.commit_prefix(w.held)
+                moved = len(w.held.block_ids)
+                blocks.commit_prefix(w.held, hold=not w.cancelled)
+                if not w.cancelled:  # held until the scheduler admits it
+                    w.req.prefix_hold = w.held
                 self.stats.transfers += 1
                 self.stats.blocks += moved
                 self.stats.bytes += moved * self.bytes_per_block
