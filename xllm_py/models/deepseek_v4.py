@@ -43,9 +43,8 @@ the engine (tests/test_deepseek_v4_engine.py). The release's quantised weights (
 attention and shared experts, FP4 routed experts) are dequantised by the loader, or the
 routed experts kept packed (weights/fp4.py `Fp4Linear`, --weight_dtype fp4). Tensor and
 expert parallelism: `DeepseekV4ForCausalLM`. Not here: DP attention, graph mode (config.py
-refuses them for V4). Parameter names
-are those HF's `save_pretrained` writes (the release's: `attn.wq_a`, `attn.compressor.ape`,
-`ffn.gate.tid2eid`, `hc_attn_fn`, ...).
+refuses them for V4). Parameter names are those HF's `save_pretrained` writes (the
+release's: `attn.wq_a`, `attn.compressor.ape`, `ffn.gate.tid2eid`, `hc_attn_fn`, ...).
 """
 
 from __future__ import annotations

@@ -138,9 +138,7 @@ class Router:
         if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             return _error(path, 413, f"request body of {declared} bytes exceeds {MAX_BODY_BYTES}")
         body = await request.body()
-        headers = {h: request.headers[h] for h in PASSED_HEADERS if h in request.headers}
-        if self.pd.token:
-            headers[TOKEN_HEADER] = self.pd.token
+        headers = self._upstream_headers(request)
         holder = await self._previous_response_holder(path, body, headers)
         prefill = None
         if path in GENERATING:  # in flight until the answer's first bytes
@@ -157,14 +155,19 @@ class Router:
 
     async def stored(self, request: Request) -> Response:
         """GET / DELETE /v1/responses/{id}: to the decode instance that holds it."""
-        headers = {h: request.headers[h] for h in PASSED_HEADERS if h in request.headers}
-        if self.pd.token:
-            headers[TOKEN_HEADER] = self.pd.token
+        headers = self._upstream_headers(request)
         rid = request.path_params["response_id"]
         holder = await self._holder(rid, headers)
         if holder is None:
             return _error(request.url.path, 404, f"no live decode instance holds response {rid!r}")
         return await self._send(request, b"", headers, None, holder)
+
+    def _upstream_headers(self, request: Request) -> dict[str, str]:
+        """The client's headers that matter upstream, and the cluster token when set."""
+        headers = {h: request.headers[h] for h in PASSED_HEADERS if h in request.headers}
+        if self.pd.token:
+            headers[TOKEN_HEADER] = self.pd.token
+        return headers
 
     async def _holder(self, rid: str, headers: dict) -> Instance | None:
         """The live decode instance that answers GET /v1/responses/{rid}, if any."""
