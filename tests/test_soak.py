@@ -17,9 +17,15 @@ from perf.daemon import ROOT
 # the daemon eager: its default compiles graphs in the background (tests/server_utils.py)
 EAGER = ["--server-args", "--num_speculative_tokens=1 --enable_graph=false"]
 # Requests in the soak below: a tenth abandoned (about 6), the probe rounds (sent once
-# 1/5 .. 4/5 of them have finished) meet requests in flight, and the 12-block cache preempts
-# from the start: all 64 are sent at once. The 2,000-request run is perf/results/soak.json.
+# 1/5 .. 4/5 of them have finished) meet requests in flight, and the cache preempts from the
+# start: all 64 are sent at once. The 2,000-request run is perf/results/soak.json.
 REQUESTS = 64
+# The short soak's cache: 72 blocks of 16 tokens hold the longest request (1,024 + 48 tokens)
+# and little else. With the default 128-token blocks (12 of them) a running request rarely
+# crossed into a new block in 64 requests: 1-2 preemptions here, none on a CI run; with
+# 16-token blocks every request needs a new block every 16 tokens (33 and 45 here).
+SHORT_CACHE = ["--max-cache-size", "72"]
+SHORT_EAGER = ["--server-args", EAGER[1] + " --block_size=16"]
 
 # ---- the checks, on answers made up here ---------------------------------------------------------
 
@@ -108,12 +114,14 @@ def test_rss_growth_is_measured_from_the_end_of_the_warm_up():
 
 def test_soak_of_64_requests_passes_every_check(tmp_path):
     """64 (REQUESTS) mixed requests at concurrency 64 (streamed or not, n 1-3, stop strings,
-    logprobs, seeds, both endpoints, 10% abandoned) against a 12-block KV cache."""
+    logprobs, seeds, both endpoints, 10% abandoned) against a KV cache of 72 16-token blocks."""
     result_file = tmp_path / "soak.json"
     # After a short warm-up (a fifth of the requests) the allocator is still growing its
-    # pools (+10% seen here once): the short run allows 25%; the full run holds the 10%
-    # line (perf/results/soak.json).
-    argv = ["--requests", str(REQUESTS), "--max-rss-growth", "0.25", "--no-progress", *EAGER]
+    # pools for the larger batches that come later (+9% to +31% seen here): the short run
+    # allows 50% after warm-up and 5% over its second half (+0.01% seen); the full run holds
+    # the 10% line from its warm-up on (perf/results/soak.json).
+    argv = ["--requests", str(REQUESTS), "--max-rss-growth", "0.5", "--no-progress"]
+    argv += SHORT_CACHE + SHORT_EAGER
     r = soak.main([*argv, "--result", str(result_file)])
     checks = {c["check"]: c for c in r["checks"]}
     failed = [c for c in r["checks"] if not c["ok"]]
@@ -124,9 +132,10 @@ def test_soak_of_64_requests_passes_every_check(tmp_path):
     probes = r["probes"]
     assert probes["compared"] == probes["equal"] == (4 + 1) * 8  # 4 rounds in the load, 1 after
     assert any(rnd["in_flight_at_start"] > 0 for rnd in probes["rounds"])
-    assert r["preemptions"] > 0 and r["kv_blocks"] == 12
+    assert r["preemptions"] > 0 and r["kv_blocks"] == 72
     assert r["gauges"]["running"] == r["gauges"]["waiting"] == r["gauges"]["kv_cache_usage"] == 0
-    assert r["rss"]["growth_after_warmup"] < 0.25, checks["RSS growth"]
+    assert r["rss"]["growth_after_warmup"] < 0.5, checks["RSS growth"]
+    assert r["rss"]["growth_second_half"] < 0.05, r["rss"]
     assert r["passed"] and json.loads(result_file.read_text())["passed"]
 
 
