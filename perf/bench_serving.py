@@ -266,12 +266,21 @@ def sample_sharegpt(
     dataset_path: str | None = None,
     input_len: int | None = None,
     output_len: int | None = None,
+    output_range_ratio: float = 0.0,
 ) -> list[SampleRequest]:
-    """vLLM's ShareGPT sampling (the module docstring), with optional fixed lengths."""
+    """vLLM's ShareGPT sampling (the module docstring), with optional fixed lengths; with
+    `output_len` and `output_range_ratio` r > 0, each request's max_tokens is drawn from
+    [output_len * (1 - r), output_len * (1 + r)] (seeded, apart from the prompt sample)."""
     from xllm_py.sharegpt import exchanges
 
+    if not 0.0 <= output_range_ratio < 1.0:
+        raise ValueError(f"--sharegpt-output-range-ratio={output_range_ratio}: must be in [0, 1)")
+    if output_range_ratio and output_len is None:
+        raise ValueError("--sharegpt-output-range-ratio needs --sharegpt-output-len")
     convs = list(exchanges(dataset_path))
     rng = random.Random(seed)
+    out_lo, out_hi = random_length_bounds(output_len or 1, output_range_ratio, 1)
+    out_rng = random.Random(f"{seed}-output-len")
     rng.shuffle(convs)
     picked: list[SampleRequest] = []
     for i, conv in enumerate(convs):
@@ -281,7 +290,7 @@ def sample_sharegpt(
         if exchange is None or not exchange[1]:
             continue
         at, prompt, reply = exchange
-        out_len = output_len
+        out_len = None if output_len is None else out_rng.randint(out_lo, out_hi)
         if out_len is None:
             out_len = len(tokenizer.encode(reply, add_special_tokens=False))
             if out_len < MIN_LEN:
@@ -514,8 +523,9 @@ def sample_requests(args, tokenizer) -> list[SampleRequest]:
             args.random_output_len, args.random_range_ratio,
         )  # fmt: skip
     return sample_sharegpt(
-        tokenizer, args.num_prompts, args.seed, args.dataset_path, args.input_len, args.output_len
-    )
+        tokenizer, args.num_prompts, args.seed, args.dataset_path, args.input_len,
+        args.output_len, args.output_range_ratio,
+    )  # fmt: skip
 
 
 async def send_all(
@@ -551,7 +561,8 @@ def _settings(args, base_url: str, model: str) -> dict[str, Any]:
         {"random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
          "random_range_ratio": args.random_range_ratio}
         if args.dataset_name == "random"
-        else {"input_len": args.input_len, "output_len": args.output_len}
+        else {"input_len": args.input_len, "output_len": args.output_len,
+              "output_range_ratio": args.output_range_ratio}
     )  # fmt: skip
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend,
@@ -634,6 +645,9 @@ FLAGS = [  # (flag, type, default, help[, more add_argument keywords])
     ("--sharegpt-output-len", int, None, "sharegpt only: max_tokens of every request (None: "
      "the token count of the ShareGPT reply)", {"dest": "output_len", "metavar": "N"}),
     ("--output-len", int, None, "the same as --sharegpt-output-len"),
+    ("--sharegpt-output-range-ratio", float, 0.0, "sharegpt with --sharegpt-output-len only: r "
+     "in [0, 1); each request's max_tokens drawn uniformly from [len * (1 - r), len * (1 + r)], "
+     "so replies that run to it finish at different steps", {"dest": "output_range_ratio"}),
     ("--random-input-len", int, 1024, "random only: prompt length in tokens (the tokenizer's "
      "special tokens included), the centre of --random-range-ratio's range"),
     ("--random-output-len", int, 128, "random only: max_tokens, the centre of "
@@ -671,8 +685,11 @@ def parse_args(argv: Sequence[str] | None = None):
                 f"sends {route} requests; use --backend "
                 f"{'openai-chat' if args.endpoint == CHAT else 'openai'}")  # fmt: skip
     if args.dataset_name == "random":
-        sharegpt_only = {"--dataset-path": args.dataset_path, "--input-len": args.input_len,
-                         "--sharegpt-output-len/--output-len": args.output_len}  # fmt: skip
+        sharegpt_only = {
+            "--dataset-path": args.dataset_path, "--input-len": args.input_len,
+            "--sharegpt-output-len/--output-len": args.output_len,
+            "--sharegpt-output-range-ratio": args.output_range_ratio or None,
+        }  # fmt: skip
         if given := [flag for flag, value in sharegpt_only.items() if value is not None]:
             p.error(f"{', '.join(given)}: sharegpt only; --dataset-name random takes "
                     "--random-input-len, --random-output-len, --random-range-ratio")  # fmt: skip

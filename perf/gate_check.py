@@ -47,15 +47,20 @@ FLAGS = [
 ]  # fmt: skip
 
 
-def engines(args) -> dict:
-    from xllm_py import LLM
-
-    common = dict(
+def engine_options(args) -> dict:
+    """LLM keywords of --model, --dtype, --graph and --concurrency (its batch limit)."""
+    return dict(
         dtype=args.dtype,
         max_seqs_per_batch=args.concurrency,
         enable_graph=args.graph,
         **({"model": args.model} if args.model else {}),
     )
+
+
+def engines(args) -> dict:
+    from xllm_py import LLM
+
+    common = engine_options(args)
     mtp = dict(common, num_speculative_tokens=args.k)
     if args.draft_vocab_size:
         mtp["speculative_draft_vocab_size"] = args.draft_vocab_size
@@ -69,14 +74,19 @@ def engines(args) -> dict:
 _ids = itertools.count()
 
 
-def run_round(llm, prompts: list[list[int]], lengths: list[int]) -> float:
-    """Output tokens per second of one closed-loop round."""
+def add_requests(engine, prompts: list[list[int]], lengths: list[int]) -> None:
+    """One greedy request per prompt, EOS ignored, generating its length's tokens."""
     from xllm_py import SamplingParams
 
-    engine = llm.engine
     for p, n in zip(prompts, lengths):
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         engine.add_request(f"g{next(_ids)}", {"prompt_token_ids": p}, params)
+
+
+def run_round(llm, prompts: list[list[int]], lengths: list[int]) -> float:
+    """Output tokens per second of one closed-loop round."""
+    engine = llm.engine
+    add_requests(engine, prompts, lengths)
     tokens, t0 = 0, time.perf_counter()
     while engine.has_unfinished():
         tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)

@@ -89,6 +89,7 @@ def bench_argv(args, url: str, concurrency: int, raw: Path, name: str, seed: int
     n = args.num_prompts or PRESETS[args.scale]["prompts"](concurrency)
     argv = ["--base-url", url, "--num-prompts", str(n), "--max-concurrency", str(concurrency),
             "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos",
+            "--sharegpt-output-range-ratio", str(args.output_range_ratio),
             "--temperature", "0", "--seed", str(args.seed + seed), "--save-result",
             "--result-dir", str(raw), "--result-filename", f"{name}.json",
             "--disable-tqdm"]  # fmt: skip
@@ -229,6 +230,10 @@ FLAGS = [  # (flag, type, default, help)
     ("--num-prompts", int, 0, "requests per level (0: the preset's)"),
     ("--input-len", int, 0, "prompt tokens (0: the preset's)"),
     ("--output-len", int, 0, "output tokens (0: the preset's)"),
+    ("--output-range-ratio", float, 0.0, "r in [0, 1): each request's output length drawn "
+     "from [len * (1 - r), len * (1 + r)], the same draws for every method (0: every request "
+     "runs to --output-len, so plain decoding keeps a wave's requests in step: "
+     "perf/lockstep.py)"),
     ("--seed", int, 0, "prompt sampling seed"),
     ("--port", int, 8711, "port of the server (with --rounds: of the first of ours)"),
     ("--result-dir", Path, RESULTS / "mtp_sweep", "output folder"),
@@ -388,14 +393,19 @@ def main(argv: list[str] | None = None) -> dict:
     cmd = command("mtp_sweep", argv)
     summary = {
         "command": cmd, "scale": args.scale, "input_len": input_len, "output_len": output_len,
+        "output_range_ratio": args.output_range_ratio,
         "machine": machine(), "rounds": args.rounds, "rows": rows,
         "peers": {**peer, "agreement": agree, "failed": failed} if peer else None,
         "ceiling": add_ceiling(args, rows, input_len, output_len),
     }  # fmt: skip
     (args.result_dir / "sweep.json").write_text(json.dumps(summary, indent=2))
+    out_words = f"{output_len} output tokens"
+    if r := args.output_range_ratio:
+        lo, hi = bench_serving.random_length_bounds(output_len, r, 1)
+        out_words = f"{lo}-{hi} output tokens (drawn per request, centre {output_len})"
     md = (
         f"# MTP sweep ({args.scale})\n\n`{cmd}`\n\nMachine: {json.dumps(summary['machine'])}\n\n"
-        f"ShareGPT prompts cut/extended to {input_len} input tokens, {output_len} output tokens "
+        f"ShareGPT prompts cut/extended to {input_len} input tokens, {out_words} "
         "(ignore_eos), greedy; the same prompts and settings for every method. Speedup = "
         "output tok/s over the baseline at the same concurrency, measured in this run. "
         "Acceptance at 1..k = the share of verification passes whose draft j was accepted. "

@@ -457,3 +457,25 @@ def test_gate_check_measures_plain_auto_and_always_on_the_same_rounds(tmp_path):
         want = [x / p for x, p in zip(r["output_tok_s"][arm], r["output_tok_s"]["plain"])]
         assert r["ratio_to_plain"][arm] == pytest.approx(want)
     assert r["auto_steps"]["drafting"] > 0  # a new bucket measures drafting first
+
+
+def test_lockstep_check_keeps_plain_waves_together_unless_the_first_is_staggered(tmp_path):
+    """perf/lockstep.py, small: with fixed output lengths plain decoding admits each wave
+    in one step; spreading the first wave's lengths makes requests finish, and their
+    successors get admitted, one at a time from then on."""
+    from perf.lockstep import main
+
+    out = tmp_path / "lockstep.json"
+    r = main(["--concurrency", "2", "--num-prompts", "6", "--input-len", "16",
+              "--output-len", "8", "--rounds", "1", "--out", str(out)])  # fmt: skip
+    assert out.is_file() and len(r["staggered_over_lockstep"]) == 1
+    lockstep, staggered = (r["rounds"][a][0]["steps"] for a in ("lockstep", "staggered"))
+    assert [k for k in lockstep if k.startswith("admit")] == ["admit 2 beside 0"]
+    assert lockstep["admit 2 beside 0"]["count"] == 3  # 6 requests, 3 waves
+    assert staggered["admit 1 beside 1"]["count"] >= 3
+    tokens = {
+        a: r["rounds"][a][0]["output_tok_s"] * r["rounds"][a][0]["seconds"] for a in r["rounds"]
+    }
+    assert tokens["lockstep"] == pytest.approx(6 * 8) and tokens["staggered"] == pytest.approx(
+        5 * 8 + 4
+    )

@@ -19,6 +19,7 @@ from perf.bench_serving import (
     parse_spec_counters,
     run,
     sample_random,
+    sample_sharegpt,
     spec_decode_stats,
 )
 from tests.server_utils import Server
@@ -224,6 +225,27 @@ def test_vllm_command_line_against_the_daemon(server):
     assert (result["backend"], result["endpoint"]) == ("openai", "/v1/completions")
 
 
+def test_sharegpt_output_lengths_drawn_around_the_fixed_one(server):
+    """--sharegpt-output-range-ratio: the same prompts as without it, each reply's
+    max_tokens drawn within the ratio's bounds (so ignore_eos replies end at different
+    steps), the same draws for the same seed, and the server ran each to its length."""
+    tokenizer = load_tokenizer(None)
+    fixed = sample_sharegpt(tokenizer, 8, seed=1, input_len=32, output_len=12)
+    drawn = sample_sharegpt(
+        tokenizer, 8, seed=1, input_len=32, output_len=12, output_range_ratio=0.5
+    )
+    assert [r.prompt for r in drawn] == [r.prompt for r in fixed]
+    outs = [r.output_len for r in drawn]
+    assert all(6 <= n <= 18 for n in outs) and len(set(outs)) > 2
+    line = "--sharegpt-output-len 12 --sharegpt-output-range-ratio 0.5 --input-len 32"
+    argv = [*shlex.split(line), "--num-prompts", "8", "--seed", "1", "--max-concurrency", "4"]
+    result = run([*argv, "--ignore-eos", "--save-detailed", "--base-url", server.url])
+    assert result["failed"] == 0 and result["output_lens"] == outs
+    assert result["output_range_ratio"] == 0.5
+    with pytest.raises(ValueError, match="needs --sharegpt-output-len"):
+        sample_sharegpt(tokenizer, 1, output_range_ratio=0.5)
+
+
 def test_random_dataset_lengths_within_ratio_bounds():
     tokenizer = load_tokenizer(None)
     reqs = sample_random(tokenizer, 60, seed=3, input_len=64, output_len=20, range_ratio=0.25)
@@ -266,6 +288,7 @@ def test_random_dataset_on_the_chat_route(server):
         (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "openai-chat"),
         (["--backend", "vllm", "--endpoint", "/v1/chat/completions"], "--backend vllm"),
         (["--dataset-name", "random", "--sharegpt-output-len", "96"], "--sharegpt-output-len"),
+        (["--dataset-name", "random", "--sharegpt-output-range-ratio", "0.5"], "range-ratio"),
     ],
 )
 def test_refused_backend_endpoint_and_dataset_flags(argv, bad, capsys):
