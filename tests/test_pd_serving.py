@@ -8,7 +8,9 @@ another block size is refused at its first request, the field named (an error ev
 the client's stream under --pd_on_transfer_failure=error), and computes its prompts
 itself; so does the first one once the prefill daemon is gone, with the same answers. A
 prefill call without the cluster token is refused; a router's choice of prefill instance
-counts only with the token and only among the decode daemon's --pd_prefill.
+counts only with the token and only among the decode daemon's --pd_prefill. With the
+cluster's TLS files the instances serve HTTPS to mutual-TLS clients only (the router and
+the decode daemon present their certificates).
 
 The router (--pd_role=router) in front of a prefill and two decode daemons serves the
 openai client: completions and chat equal a decode daemon's own answers, streamed and
@@ -30,17 +32,25 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
 import signal
+import ssl
+import sys
 import time
+import types
 
+import httpx
 import openai
 import pytest
 
+from perf.daemon import samples
 from tests.chisquare import ALPHA, homogeneity
-from tests.server_utils import HTTP, Server, spec_totals
+from tests.server_utils import HTTP, Daemon, Server, free_port, spec_totals
+from tests.test_cluster_security import make_certs
 from xllm_py import LLM
+from xllm_py.config import PDConfig
 from xllm_py.pd import transfer
-from xllm_py.pd.compat import PREFILL_HEADER, PREFILL_ROUTE, TOKEN_HEADER
+from xllm_py.pd.compat import PREFILL_HEADER, PREFILL_ROUTE, TOKEN_HEADER, credentials
 from xllm_py.sharegpt import held_out_user_turns
 
 try:
@@ -181,6 +191,64 @@ def kill_mid_stream(router, decodes) -> tuple[list[str], object]:
                 (killed,) = busy
                 killed.stop(signal.SIGKILL)
     return lines, killed
+
+
+def tls_instance(role: str, flags: list[str], client: httpx.Client) -> Daemon:
+    """A PD daemon serving HTTPS (its TLS flags in `flags`), up once `client` reads 200
+    from its /health."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "xllm_py", "--port", str(port), *FLAGS, *flags,
+           "--enable_graph=false", f"--pd_role={role}"]  # fmt: skip
+    d = Daemon(cmd, port, ready_path=None, env={**os.environ, "XLLM_CLUSTER_TOKEN": TOKEN})
+    d.url = f"https://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if d.proc.poll() is not None:
+            raise RuntimeError(d.output())
+        with contextlib.suppress(httpx.TransportError):
+            if client.get(d.url + "/health", timeout=2).status_code == 200:
+                return d
+        time.sleep(0.2)
+    d.stop()
+    raise RuntimeError(f"{role} instance not up:\n{d.output()}")
+
+
+def test_the_control_plane_over_mutual_tls(prompts, colocated, tmp_path):
+    """With the cluster's TLS files (and token) on every process, the prefill and decode
+    daemons serve HTTPS to clients whose certificate the CA signed: the router's health
+    checks and forwarded requests, and the decode daemon's prefill calls, present theirs,
+    and a completion through the router is the colocated daemon's, its blocks moved. A
+    client without a certificate, or speaking plain HTTP, is refused at the handshake;
+    an http:// instance URL is refused at start-up."""
+    certs = make_certs(tmp_path)
+    tls = [f"--cluster_tls_{name}={certs[name]}" for name in ("cert", "key", "ca")]
+    context = ssl.create_default_context(cafile=str(certs["ca"]))
+    context.load_cert_chain(certs["cert"], certs["key"])
+    with httpx.Client(verify=context) as client:
+        with tls_instance("prefill", tls, client) as prefill:
+            with tls_instance("decode", [*tls, f"--pd_prefill={prefill.url}"], client) as dec:
+                route = [f"--pd_decode={dec.url}", f"--pd_prefill={prefill.url}"]
+                with Server("--pd_role=router", *tls, *route,
+                            env={"XLLM_CLUSTER_TOKEN": TOKEN}) as router:  # fmt: skip
+                    assert_same(complete(router.url, prompts[0]), colocated["whole"][0])
+                page = client.get(dec.url + "/metrics", timeout=10).text
+                moved = [v for n, _, v in samples(page) if n == "xllm:pd_transfers_total"]
+                assert moved == [1]
+                anonymous = ssl.create_default_context(cafile=str(certs["ca"]))
+                with httpx.Client(verify=anonymous) as stranger:
+                    with pytest.raises(httpx.TransportError):
+                        stranger.get(dec.url + "/health", timeout=5)
+                with pytest.raises(httpx.TransportError):
+                    HTTP.get(f"http://127.0.0.1:{dec.port}/health", timeout=5)
+    with pytest.raises(ValueError, match="must start with https://"):
+        PDConfig(role="decode", prefill_urls=("http://127.0.0.1:1",), tls_cert="c", tls_key="k")
+    with pytest.raises(ValueError, match="go together"):
+        PDConfig(role="prefill", tls_cert="cert.pem")
+    files = {"cluster_tls_cert": str(certs["cert"]), "cluster_tls_key": str(certs["ca"])}
+    flags = types.SimpleNamespace(secret=lambda name: None, cluster_token_file=None,
+                                  cluster_tls_ca=None, **files)  # fmt: skip
+    with pytest.raises(ValueError, match=f"_key={certs['ca']}.*cannot load"):
+        credentials(PDConfig(role="prefill"), flags)  # a certificate given as the key
 
 
 def test_the_router_serves_the_openai_client_and_routes_around_a_dead_decode_daemon(

@@ -502,7 +502,7 @@ class EngineArgs:
         return config
 
     def pd_config(self):
-        """The PD flags as a PDConfig (no token: pd/route.py's with_token adds it)."""
+        """The PD flags as a PDConfig (no credentials: pd/compat.py's credentials adds them)."""
         from xllm_py.config import PDConfig
 
         return PDConfig(

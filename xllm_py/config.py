@@ -813,6 +813,10 @@ class PDConfig:
     health_interval: float = 2.0  # seconds between the router's health checks
     on_transfer_failure: str = "recompute"  # a decode instance's: or "error"
     token: str | None = None  # the cluster token the PD control plane carries
+    # PEM files of --cluster_tls_cert/_key/_ca: the control plane over HTTPS (mutual with ca)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in PD_ROLES:
@@ -825,9 +829,16 @@ class PDConfig:
             raise ValueError("pd_role='router' needs --pd_decode: the decode instances' URLs")
         if self.decode_urls and self.role != "router":
             raise ValueError(f"--pd_decode is the router's (pd_role={self.role!r})")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--cluster_tls_cert and --cluster_tls_key go together: give both")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ValueError("--cluster_tls_ca (mutual TLS) needs --cluster_tls_cert and _key")
         for url in self.prefill_urls + self.decode_urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"PD instance URL {url!r} must start with http:// or https://")
+            if self.tls_cert and not url.startswith("https://"):
+                raise ValueError(f"PD instance URL {url!r} must start with https://: with "
+                                 "--cluster_tls_cert every instance serves HTTPS")  # fmt: skip
         if self.on_transfer_failure not in ("recompute", "error"):
             raise ValueError(
                 f"pd_on_transfer_failure={self.on_transfer_failure!r} must be 'recompute' or "

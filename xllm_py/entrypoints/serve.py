@@ -120,7 +120,7 @@ def build_server(a: EngineArgs) -> tuple[DrainingServer, object]:
     from xllm_py.pd import route as pd_route
 
     ProcessOptions.from_args(a, threads=not a.engine_core_process).apply()
-    config = pd_route.with_token(a.engine_config(), a)
+    config = pd_route.with_credentials(a.engine_config(), a)
     name = a.served_model_name or os.path.basename(os.path.normpath(str(config.model.path)))
     worker_drains: list[str] = []
     if a.engine_core_process:
@@ -132,24 +132,17 @@ def build_server(a: EngineArgs) -> tuple[DrainingServer, object]:
     metrics.attach(engine)
     app = build_app(engine, server_options(a, name), metrics)
     pd_route.attach(app, engine, config.pd)
-    server = DrainingServer(
-        uvicorn.Config(
-            app,
-            host=a.host,
-            port=a.port,
-            log_level=a.log_level,
-            timeout_graceful_shutdown=SHUTDOWN_FLUSH_S,
-            timeout_keep_alive=a.http_keep_alive_timeout,
-            access_log=a.log_level == "debug",
-        ),
-        engine,
-        a.shutdown_timeout,
-        worker_drains,
-    )
+    https = pd_route.server_ssl(config.pd)  # a PD instance with --cluster_tls_cert
+    http = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
+                          timeout_graceful_shutdown=SHUTDOWN_FLUSH_S, **https,
+                          timeout_keep_alive=a.http_keep_alive_timeout,
+                          access_log=a.log_level == "debug")  # fmt: skip
+    server = DrainingServer(http, engine, a.shutdown_timeout, worker_drains)
     engine.on_failure = server.exit_after_failure
     spec = f", MTP {'adaptive k<=' if a.speculative_adaptive else 'k='}{a.num_speculative_tokens}"
     where = f"{config.model.path}{spec if a.num_speculative_tokens else ''}"
-    logger.info("serving %s (%s) at http://%s:%d/v1", name, where, a.host, a.port)
+    scheme = "https" if https else "http"
+    logger.info("serving %s (%s) at %s://%s:%d/v1", name, where, scheme, a.host, a.port)
     return server, engine
 
 

@@ -4,7 +4,10 @@ Both build a `CompatRecord` from their engine config and compare it with the pee
 their first meeting. Any difference would make the copied blocks wrong in silence (another
 layout, block size, dtype or model), so the first differing field is named and the pair is
 refused. Also what else both sides share: the prefill route and the header that carries
-the cluster token, and `PDStats`, the transfer counters /metrics reads.
+the cluster token, the control plane's credentials (the token, and TLS where
+--cluster_tls_cert is given: every PD instance then serves HTTPS, with client
+certificates required under --cluster_tls_ca), and `PDStats`, the transfer counters
+/metrics reads.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ import contextvars
 import dataclasses
 import hashlib
 import json
+import ssl
 
 import msgspec
 
-from xllm_py.config import EngineConfig
+from xllm_py.config import EngineConfig, PDConfig
 
 PREFILL_ROUTE = "/pd/prefill"  # a prefill instance's route, which decode instances call
 TOKEN_HEADER = "x-xllm-cluster-token"  # the cluster token on that call
@@ -30,6 +34,34 @@ CHOSEN_PREFILL: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 # upper bounds (s) of the transfer-latency histogram's buckets, then +Inf
 TRANSFER_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def credentials(pd: PDConfig, a) -> PDConfig:
+    """`pd` with the cluster token and TLS files of EngineArgs `a`: the token read now, the
+    TLS files loaded once now (ValueError naming the flags if they cannot be)."""
+    from xllm_py.tokens import read_token
+
+    token = read_token(a.secret("cluster_token"), a.cluster_token_file)
+    pd = dataclasses.replace(pd, token=token, tls_cert=a.cluster_tls_cert,
+                             tls_key=a.cluster_tls_key, tls_ca=a.cluster_tls_ca)  # fmt: skip
+    try:
+        client_ssl(pd)
+    except (OSError, ssl.SSLError) as e:
+        flags = f"--cluster_tls_cert={pd.tls_cert}, _key={pd.tls_key}, _ca={pd.tls_ca}"
+        raise ValueError(f"{flags}: cannot load them ({e})") from None
+    return pd
+
+
+def client_ssl(pd: PDConfig) -> ssl.SSLContext | None:
+    """What the control plane's calls (router to instances, decode to prefill) dial
+    https:// with: instances verified against --cluster_tls_ca (without it: the system's
+    roots), and this node's certificate for the instances that ask for one (mutual TLS).
+    None without --cluster_tls_cert."""
+    if pd.tls_cert is None:
+        return None
+    context = ssl.create_default_context(cafile=pd.tls_ca)  # None: the system's roots
+    context.load_cert_chain(pd.tls_cert, pd.tls_key)  # asked for only under mutual TLS
+    return context
 
 
 def fewest(candidates: list, load, turn: int):

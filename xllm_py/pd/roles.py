@@ -38,6 +38,7 @@ from xllm_py.pd.compat import (
     TOKEN_HEADER,
     CompatRecord,
     PDStats,
+    client_ssl,
     compat_record,
     fewest,
     mismatch,
@@ -109,6 +110,7 @@ class DecodeSide:
         self.bytes_per_block = worker.bytes_per_block
         self.stats = PDStats()
         self.pd = config.pd
+        self.tls = client_ssl(config.pd)  # the prefill route over HTTPS with TLS flags
         self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="xllm-pd")
         self.waiting: dict[str, _Waiting] = {}
         self.refused: dict[str, str] = {}  # prefill URL -> why
@@ -159,7 +161,8 @@ class DecodeSide:
             headers[TOKEN_HEADER] = self.pd.token
         request = urllib.request.Request(url + PREFILL_ROUTE, body, headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.pd.transfer_timeout) as r:
+            with urllib.request.urlopen(request, timeout=self.pd.transfer_timeout,
+                                        context=self.tls) as r:  # fmt: skip
                 r.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:500]

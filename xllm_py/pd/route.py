@@ -2,13 +2,16 @@
 instance calls with a prompt and where to write its blocks (xllm_py/pd/roles.py), and a
 decode instance's reading of the router's choice of prefill instance (RouterChoice). It
 carries the cluster token when one is set (--cluster_token_file, --cluster_token or
-XLLM_CLUSTER_TOKEN); a call without it is refused and logged."""
+XLLM_CLUSTER_TOKEN); a call without it is refused and logged. With --cluster_tls_cert a
+prefill or decode instance serves HTTPS, and with --cluster_tls_ca only to clients that
+present a certificate the CA signed (the router, the other instances): mutual TLS."""
 
 from __future__ import annotations
 
 import dataclasses
 import hmac
 import logging
+import ssl
 import uuid
 
 import msgspec
@@ -16,9 +19,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from xllm_py.config import EngineConfig, PDConfig
-from xllm_py.pd.compat import CHOSEN_PREFILL, PREFILL_HEADER, PREFILL_ROUTE, TOKEN_HEADER
+from xllm_py.pd.compat import (
+    CHOSEN_PREFILL,
+    PREFILL_HEADER,
+    PREFILL_ROUTE,
+    TOKEN_HEADER,
+    credentials,
+)
 from xllm_py.sampling_params import KVPush, SamplingParams
-from xllm_py.tokens import read_token
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20  # a prompt at the longest context, its block list and addresses
@@ -29,13 +37,22 @@ class PrefillRequest(msgspec.Struct):
     push: KVPush
 
 
-def with_token(config: EngineConfig, a) -> EngineConfig:
-    """`config` with the cluster token its PD role carries, read from EngineArgs `a`'s
-    flags now (unchanged without a role)."""
+def with_credentials(config: EngineConfig, a) -> EngineConfig:
+    """`config` with the cluster token and TLS files its PD role uses, from EngineArgs
+    `a`'s flags (unchanged without a role)."""
     if config.pd.role == "both":
         return config
-    token = read_token(a.secret("cluster_token"), a.cluster_token_file)
-    return dataclasses.replace(config, pd=dataclasses.replace(config.pd, token=token))
+    return dataclasses.replace(config, pd=credentials(config.pd, a))
+
+
+def server_ssl(pd: PDConfig) -> dict:
+    """uvicorn.Config's keywords for a PD instance: HTTPS with --cluster_tls_cert, client
+    certificates signed by --cluster_tls_ca required (mutual TLS); {} otherwise."""
+    if pd.role not in ("prefill", "decode") or pd.tls_cert is None:
+        return {}
+    mutual = pd.tls_ca is not None
+    return {"ssl_certfile": pd.tls_cert, "ssl_keyfile": pd.tls_key, "ssl_ca_certs": pd.tls_ca,
+            "ssl_cert_reqs": ssl.CERT_REQUIRED if mutual else ssl.CERT_NONE}  # fmt: skip
 
 
 class RouterChoice:

@@ -3,7 +3,9 @@ HTTP front for a prefill/decode deployment. It serves no model. Each API request
 the live decode instance with the fewest requests in flight from here, told which prefill
 instance to have the prompt prefilled by (PREFILL_HEADER: the live one with the fewest
 prompts out from here, or none; pd/roles.py), and its answer streams back through the
-router unchanged. The router's calls carry the cluster token when one is set.
+router unchanged. The router's calls carry the cluster token when one is set, and with
+--cluster_tls_cert they go over HTTPS (presenting this certificate under --cluster_tls_ca:
+instances then serve only mutual-TLS clients); clients reach the router itself over HTTP.
 
 - **Health.** Every `--pd_health_interval` seconds the router calls each instance's
   /health. An instance that fails a check (a draining daemon answers 503), or refuses a
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from xllm_py.config import PDConfig
-from xllm_py.pd.compat import PREFILL_HEADER, TOKEN_HEADER, fewest
+from xllm_py.pd.compat import PREFILL_HEADER, TOKEN_HEADER, client_ssl, credentials, fewest
 
 logger = logging.getLogger(__name__)
 GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
@@ -263,7 +264,8 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        verify = client_ssl(self.pd) or True  # True: https:// against the system's roots
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), verify=verify)
         await asyncio.gather(*(self.check(i) for i in self.decode + self.prefill))
         watcher = asyncio.create_task(self.watch())
         try:
@@ -287,10 +289,7 @@ def run_router(a) -> int:
     """Serve the router of EngineArgs `a` until SIGTERM/SIGINT; the exit code."""
     import uvicorn
 
-    from xllm_py.tokens import read_token
-
-    token = read_token(a.secret("cluster_token"), a.cluster_token_file)
-    router = Router(dataclasses.replace(a.pd_config(), token=token))
+    router = Router(credentials(a.pd_config(), a))
     logger.info("PD router at http://%s:%d: decode %s, prefill %s", a.host, a.port,
                 list(a.pd_decode), list(a.pd_prefill))  # fmt: skip
     config = uvicorn.Config(router.app(), host=a.host, port=a.port, log_level=a.log_level,
