@@ -370,7 +370,8 @@ class EngineArgs:
         "`ps`: prefer --cluster_token_file or the environment variable XLLM_CLUSTER_TOKEN, read "
         "when neither flag is given)", env="XLLM_CLUSTER_TOKEN", offline=False)  # fmt: skip
     cluster_tls_cert: str | None = option(None, "security", "PEM certificate of this node: every "
-        "gRPC service and channel uses TLS; it must name the address the other nodes dial "
+        "gRPC service and channel uses TLS, and a PD instance serves HTTPS (the router and "
+        "other instances dial it so); it must name the address the others dial "
         "(--master_node_addr's host, a worker's --host). Needs --cluster_tls_key",
         offline=False)  # fmt: skip
     cluster_tls_key: str | None = option(None, "security", "PEM private key of --cluster_tls_cert",
