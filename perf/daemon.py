@@ -49,17 +49,22 @@ def free_port_range(n: int) -> int:
 
 
 def wait_healthy(
-    url: str, gone: Callable[[], str | None], timeout: float, path: str = "/health"
+    url: str,
+    gone: Callable[[], str | None],
+    timeout: float,
+    path: str = "/health",
+    client: httpx.Client = HTTP,
 ) -> bool:
-    """Poll url + path until it answers 200 (True) or `timeout` passes (False); `gone()`
-    returns why the server cannot come up any more (it exited), which is raised."""
+    """Poll url + path with `client` until it answers 200 (True) or `timeout` passes
+    (False); `gone()` returns why the server cannot come up any more (it exited), which is
+    raised."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         why = gone()
         if why is not None:
             raise RuntimeError(why)
         try:
-            if HTTP.get(url + path, timeout=2).status_code == 200:
+            if client.get(url + path, timeout=2).status_code == 200:
                 return True
         except httpx.TransportError:
             pass

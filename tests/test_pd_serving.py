@@ -45,7 +45,7 @@ import pytest
 
 from perf.daemon import samples
 from tests.chisquare import ALPHA, homogeneity
-from tests.server_utils import HTTP, Daemon, Server, free_port, spec_totals
+from tests.server_utils import HTTP, Daemon, Server, free_port, spec_totals, wait_healthy
 from tests.test_cluster_security import make_certs
 from xllm_py import LLM
 from xllm_py.config import PDConfig
@@ -201,14 +201,8 @@ def tls_instance(role: str, flags: list[str], client: httpx.Client) -> Daemon:
            "--enable_graph=false", f"--pd_role={role}"]  # fmt: skip
     d = Daemon(cmd, port, ready_path=None, env={**os.environ, "XLLM_CLUSTER_TOKEN": TOKEN})
     d.url = f"https://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if d.proc.poll() is not None:
-            raise RuntimeError(d.output())
-        with contextlib.suppress(httpx.TransportError):
-            if client.get(d.url + "/health", timeout=2).status_code == 200:
-                return d
-        time.sleep(0.2)
+    if wait_healthy(d.url, d._exited, 120, client=client):
+        return d
     d.stop()
     raise RuntimeError(f"{role} instance not up:\n{d.output()}")
 
