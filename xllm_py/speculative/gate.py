@@ -53,16 +53,30 @@ bucket keeps its last KEEP ratios and their median decides. A bucket first alter
 the kinds, drafting first, until it has MEASURE ratios, then runs the kind the median
 favours: drafting must measure MARGIN faster than plain decoding to take over, and keeps
 the bucket while it is not slower, so MTP is never chosen on a measurement that cannot
-tell it from plain. Every EXPLORE_EVERY periods of a bucket (up to 8 times that, the
-further the median is from 1) the other kind runs one period as a trial, which gives two
-ratios (with the incumbent periods before and after it). One trial cannot change the
-decision, since a lucky period is common on a shared machine: when both its ratios
-disagree with the decision, a second trial runs at once, and if it agrees the two
-together (a majority of the KEEP ratios) change it. So a workload that starts to accept
-drafts (or stops) is noticed within some hundreds of steps, and noise must fool two
-trials in a row. What exploring costs when drafting does not pay: one period in
-EXPLORE_EVERY x (1 + gap in tenths), at a rate lower by that gap (at a gap of 20%: one
-period in 24, about 0.8% of the tokens).
+tell it from plain. A bucket the batch only passes through (the ramp at the end of a wave
+of requests: a few steps at each size) may never measure a pair; one that has opened
+BORROW_AFTER periods without its MEASURE ratios runs on the median of the nearest bucket
+that has them (the smaller batch on a tie), trials included, until its own ratios are in.
+(Alternating there for good, it drafted half of every ramp on the bundled tiny model,
+where drafting runs at 0.7x.) Now and then the other kind runs one period of the bucket as a trial,
+which gives two ratios (with the incumbent periods before and after it). One trial cannot
+change the decision, since a lucky period is common on a shared machine: when both its
+ratios disagree with the decision, a second trial runs at once, and if it agrees the two
+together (a majority of the KEEP ratios) change it, so noise must fool two trials in a
+row. Trials are spaced by what they cost: a period of the slower kind takes max(ratio,
+1/ratio) - 1 of a period more than the incumbent would have, so a trial comes every that /
+EXPLORE_COST periods of the bucket (at least EXPLORE_EVERY, at most EXPLORE_MOST), and
+exploring costs about EXPLORE_COST of the time whatever the gap: at a median of 0.9 a trial
+every 12 periods, at 0.8 every 25, at 0.7 every 43, below 0.61 every 64. (Spaced by the gap
+in tenths alone, as the gate first did, trials came every 24 periods at 0.7: 1.7% of the
+time. Spaced wider still, at half this cost, a wrong decision that noise made early lasts
+longer: on a machine whose speed moves 12% from period to period, drafting 8% slower kept
+the bucket for a hundred periods and cost 3%.) So a workload that starts to accept drafts
+(or stops) is noticed within about 1,000 steps (2,000 when a second trial is due) where
+the gap was wide, sooner where it was narrow.
+The ratio a trial measures is the one that prices it: drafting's trials run on requests
+whose MTP cache has gaps (below) and include the step that switches, so they measure a
+little below drafting's steady rate and space themselves a little wider.
 
 Whether a step drafts depends on batch sizes, timings and the tokens earlier steps
 emitted, never on a draft the step verifies, so the gate cannot bias the output
@@ -77,6 +91,7 @@ makes drafting measure a little slower: the gate errs towards plain decoding.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -88,7 +103,10 @@ PERIOD = 16  # steps one decision holds
 MEASURE = 3  # ratios a bucket measures (alternating the kinds) before it decides
 KEEP = 5  # ratios kept per bucket
 ADJACENT = 2  # a pair's periods are at most this many periods apart (of any bucket)
-EXPLORE_EVERY = 8  # bucket periods between trials of the kind not running
+EXPLORE_EVERY = 8  # fewest bucket periods between trials of the kind not running
+EXPLORE_MOST = 64  # most bucket periods between trials
+EXPLORE_COST = 0.01  # the share of a bucket's time its trials may cost
+BORROW_AFTER = 4  # periods a bucket alternates without its MEASURE ratios, at most
 MARGIN = 0.03  # drafting must measure this much faster than plain decoding to take over
 PROMPT_DECAY = 0.999  # per drafting step, of the prompt passes' seconds and tokens kept
 
@@ -108,6 +126,7 @@ class _Bucket:
     ratios: list[float] = field(default_factory=list)  # drafting / plain, adjacent pairs
     incumbent: bool | None = None  # the kind this bucket runs between trials
     last_kind: bool | None = None  # the kind of the last period it opened (while measuring)
+    measuring: int = 0  # periods it opened without MEASURE ratios of its own
     until_trial: int = 0  # periods of this bucket to its next trial
 
 
@@ -167,15 +186,31 @@ class DraftGate:
         key = batch_bucket(requests)
         bucket = self.buckets.setdefault(key, _Bucket())
         ratio = self.ratio(bucket)
+        if ratio is None:
+            bucket.measuring += 1
+            if bucket.measuring > BORROW_AFTER:
+                ratio = self._borrowed(key)
         if ratio is None:  # alternate the kinds, drafting first
             bucket.last_kind = not bucket.last_kind if bucket.last_kind is not None else True
             return _Period(bucket.last_kind, key, index=self.opened)
-        best = self._best(bucket, ratio, requests)
+        why = (
+            f"the median of the last {len(bucket.ratios)} adjacent pairs of periods"
+            if len(bucket.ratios) >= MEASURE
+            else "the nearest measured batch size's, this one having measured too few pairs"
+        )
+        best = self._best(bucket, ratio, requests, why)
         bucket.until_trial -= 1
         trial = bucket.until_trial <= 0
         if trial:
             bucket.until_trial = self._explore_every(ratio)
         return _Period(best != trial, key, index=self.opened)
+
+    def _borrowed(self, key: int) -> float | None:
+        """The median ratio of the nearest bucket to `key` that has MEASURE ratios (the
+        smaller batch on a tie), None while none has."""
+        ratios = [(abs(k - key), k, self.ratio(b)) for k, b in self.buckets.items()]
+        measured = [m for m in ratios if m[2] is not None]
+        return min(measured)[2] if measured else None
 
     def _moved(self, requests: int) -> bool:
         """Whether the batch has moved, after at least a quarter of the period, to a bucket
@@ -218,30 +253,30 @@ class DraftGate:
 
     @staticmethod
     def _explore_every(ratio: float) -> int:
-        """EXPLORE_EVERY periods, times 1 + the measured gap between the kinds in tenths: a
-        kind 30% slower is re-measured every 4 x EXPLORE_EVERY periods, since a trial of it
-        costs in proportion to the gap and is less likely to change the decision."""
-        return EXPLORE_EVERY * (1 + min(int(abs(ratio - 1.0) * 10), 7))
+        """Bucket periods to the next trial: a trial of the slower kind costs max(ratio,
+        1/ratio) - 1 of a period, spaced so that trials cost about EXPLORE_COST."""
+        cost = max(ratio, 1.0 / max(ratio, 1e-3)) - 1.0
+        return min(max(math.ceil(cost / EXPLORE_COST), EXPLORE_EVERY), EXPLORE_MOST)
 
     @staticmethod
     def _favours(bucket: _Bucket, ratio: float) -> bool:
         """Whether `ratio` favours drafting: MARGIN faster, or not slower if it runs now."""
         return ratio >= (1.0 if bucket.incumbent else 1.0 + MARGIN)
 
-    def _best(self, bucket: _Bucket, ratio: float, requests: int) -> bool:
-        """The kind the median ratio favours; the bucket's trials start counting when it
-        first decides."""
+    def _best(self, bucket: _Bucket, ratio: float, requests: int, why: str) -> bool:
+        """The kind the median ratio (`why`: whose) favours; the bucket's trials start
+        counting when it first decides."""
         drafting = self._favours(bucket, ratio)
         if bucket.incumbent is None:
             bucket.until_trial = self._explore_every(ratio)
         if drafting != bucket.incumbent:
             logger.info(
                 "speculative gate, batch %d: drafting %s (%.2fx plain decoding's tokens per "
-                "second, the median of the last %d adjacent pairs of periods)",
+                "second, %s)",
                 requests,
                 "on" if drafting else "off",
                 ratio,
-                len(bucket.ratios),
+                why,
             )
         bucket.incumbent = drafting
         return drafting
