@@ -19,6 +19,14 @@ counted. The serving sweep (perf/mtp_sweep.py --rounds) measures the same throug
 daemon, HTTP and a second process included; here only the engines run, but a shared
 2-core machine still moves single rounds by 10-25% (the committed run's ratios to plain
 spread from 0.86x to 1.26x), so use enough rounds for the medians to settle.
+
+--interleave step runs a round's three engines together instead, one step of each in
+turn (the order rotated every step), each timed by a clock that counts its own steps
+only (so the gate's step timings are its engine's alone). The machine's drift then falls
+on all three alike within a few milliseconds, and a round's ratios move by 1-2% where
+whole rounds in turn move by 10% and more: the way to see what a change to the gate
+costs or saves. What it leaves out is what running alone adds (the caches each engine
+would have to itself).
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ FLAGS = [
     ("--draft-vocab-size", int, 0, "--speculative_draft_vocab_size of the MTP engines (0: whole)"),
     ("--graph", bool, False, "graph mode, buckets 1, 2, 4, 8 (compiles at start-up: minutes)"),
     ("--dtype", str, "float32", "weights and activations"),
+    ("--interleave", ("round", "step"), "round",
+     "round: the engines run a whole round each, in turn; step: one step each, in turn"),
     ("--out", str, str(RESULTS / "gate_check.json"), "result JSON"),
 ]  # fmt: skip
 
@@ -93,6 +103,46 @@ def run_round(llm, prompts: list[list[int]], lengths: list[int]) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+class StepClock:
+    """An engine's clock under --interleave step: the seconds of its own steps, not of the
+    other engines' steps run between them."""
+
+    def __init__(self) -> None:
+        self.spent, self.started = 0.0, None
+
+    def __call__(self) -> float:
+        now = time.perf_counter()
+        return self.spent + (now - self.started if self.started is not None else 0.0)
+
+    def step(self, engine) -> list:
+        self.started = time.perf_counter()
+        try:
+            return engine.step()
+        finally:
+            self.spent += time.perf_counter() - self.started
+            self.started = None
+
+
+def run_together(llms: dict, prompts: list[list[int]], lengths: list[int]) -> dict[str, float]:
+    """Output tokens per second of each engine over one round, the engines stepped in turn:
+    its tokens over the seconds of its own steps."""
+    engines = {arm: llm.engine for arm, llm in llms.items()}
+    clocks = {arm: StepClock() for arm in engines}
+    for arm, engine in engines.items():
+        engine.core.clock = clocks[arm]
+        add_requests(engine, prompts, lengths)
+    tokens = dict.fromkeys(engines, 0)
+    arms = list(engines)
+    for turn in itertools.count():
+        busy = [a for a in arms[turn % 3 :] + arms[: turn % 3] if engines[a].has_unfinished()]
+        if not busy:
+            break
+        for arm in busy:
+            outputs = clocks[arm].step(engines[arm])
+            tokens[arm] += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
+    return {arm: tokens[arm] / clocks[arm].spent for arm in arms}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parser(__doc__, FLAGS).parse_args(argv)
     low, high = (args.output_len * 2)[:2]
@@ -106,8 +156,13 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(args.num_prompts)
         ]
         lengths = [rnd.randint(low, high) for _ in prompts]
+        if args.interleave == "step":
+            together = run_together(llms, prompts, lengths)
         for arm in ARMS[r % 3 :] + ARMS[: r % 3]:  # order rotated by the round
-            rate = run_round(llms[arm], prompts, lengths)
+            if args.interleave == "step":
+                rate = together[arm]
+            else:
+                rate = run_round(llms[arm], prompts, lengths)
             print(f"round {r}{' (warm-up)' if r == 0 else ''}, {arm}: {rate:.1f} output tok/s")
             if r:
                 rates[arm].append(rate)

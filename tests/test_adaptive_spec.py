@@ -469,14 +469,16 @@ def test_the_plan_does_not_depend_on_the_tokens_drawn():
             assert len({tuple(t[:4]) for t in drawn}) > 1
 
 
-def test_gate_check_measures_plain_auto_and_always_on_the_same_rounds(tmp_path):
-    """perf/gate_check.py, small: three engines, interleaved rounds, the ratios it reports
-    are its own rounds' (auto's steps split into drafting and not)."""
+@pytest.mark.parametrize("interleave", ["round", "step"])
+def test_gate_check_measures_plain_auto_and_always_on_the_same_rounds(tmp_path, interleave):
+    """perf/gate_check.py, small: three engines, interleaved rounds (or steps), the ratios
+    it reports are its own rounds' (auto's steps split into drafting and not)."""
     from perf.gate_check import main
 
     out = tmp_path / "gate.json"
     r = main(["--concurrency", "2", "--num-prompts", "4", "--input-len", "32",
-              "--output-len", "8", "16", "--rounds", "2", "--out", str(out)])  # fmt: skip
+              "--output-len", "8", "16", "--rounds", "2", "--interleave", interleave,
+              "--out", str(out)])  # fmt: skip
     assert out.is_file() and r["settings"]["k"] == 1
     for arm in ("plain", "auto", "always"):
         assert len(r["output_tok_s"][arm]) == 2 and min(r["output_tok_s"][arm]) > 0

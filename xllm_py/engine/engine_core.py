@@ -55,6 +55,9 @@ class EngineCore(EngineCoreClient):
             )
         executor.init_cache(num_blocks)
         self._timed: tuple | None = None  # (the last step, when it started)
+        # what times steps; perf/gate_check.py --interleave step, stepping three engines in
+        # turn, gives each one that counts only the seconds of its own steps
+        self.clock = time.perf_counter
         # DP attention: the worker runs every step, with nothing scheduled too, to join the
         # other ranks' expert exchanges (models/layers/moe.py); whoever steps this core
         # steps it while any rank has work (engine/dp_engine_core.py)
@@ -137,7 +140,7 @@ class EngineCore(EngineCoreClient):
         # Adaptive speculation times whole steps, start to next start: the executor's part
         # and what the engine does around it (scheduling, outputs, detokenising, streaming),
         # which a larger k shares among more tokens.
-        now = time.perf_counter()
+        now = self.clock()
         if self._timed is not None:
             self.scheduler.record_step_time(self._timed[0], now - self._timed[1])
         self._timed = (sched, now) if sched.num_scheduled_tokens else None
