@@ -99,8 +99,13 @@ def run_round(llm, prompts: list[list[int]], lengths: list[int]) -> float:
     add_requests(engine, prompts, lengths)
     tokens, t0 = 0, time.perf_counter()
     while engine.has_unfinished():
-        tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        tokens += finished_tokens(engine.step())
     return tokens / (time.perf_counter() - t0)
+
+
+def finished_tokens(outputs: list) -> int:
+    """Output tokens of the requests a step finished."""
+    return sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
 
 
 class StepClock:
@@ -124,8 +129,8 @@ class StepClock:
 
 
 def run_together(llms: dict, prompts: list[list[int]], lengths: list[int]) -> dict[str, float]:
-    """Output tokens per second of each engine over one round, the engines stepped in turn:
-    its tokens over the seconds of its own steps."""
+    """Output tokens per second of each engine over one round, the engines stepped in turn
+    (the order rotated every turn): its tokens over the seconds of its own steps."""
     engines = {arm: llm.engine for arm, llm in llms.items()}
     clocks = {arm: StepClock() for arm in engines}
     for arm, engine in engines.items():
@@ -134,12 +139,12 @@ def run_together(llms: dict, prompts: list[list[int]], lengths: list[int]) -> di
     tokens = dict.fromkeys(engines, 0)
     arms = list(engines)
     for turn in itertools.count():
-        busy = [a for a in arms[turn % 3 :] + arms[: turn % 3] if engines[a].has_unfinished()]
+        i = turn % len(arms)
+        busy = [a for a in arms[i:] + arms[:i] if engines[a].has_unfinished()]
         if not busy:
             break
         for arm in busy:
-            outputs = clocks[arm].step(engines[arm])
-            tokens[arm] += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
+            tokens[arm] += finished_tokens(clocks[arm].step(engines[arm]))
     return {arm: tokens[arm] / clocks[arm].spent for arm in arms}
 
 
@@ -156,13 +161,12 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(args.num_prompts)
         ]
         lengths = [rnd.randint(low, high) for _ in prompts]
+        order = ARMS[r % 3 :] + ARMS[: r % 3]  # rotated by the round
         if args.interleave == "step":
-            together = run_together(llms, prompts, lengths)
-        for arm in ARMS[r % 3 :] + ARMS[: r % 3]:  # order rotated by the round
-            if args.interleave == "step":
-                rate = together[arm]
-            else:
-                rate = run_round(llms[arm], prompts, lengths)
+            got = run_together({arm: llms[arm] for arm in order}, prompts, lengths)
+        else:
+            got = {arm: run_round(llms[arm], prompts, lengths) for arm in order}
+        for arm, rate in got.items():
             print(f"round {r}{' (warm-up)' if r == 0 else ''}, {arm}: {rate:.1f} output tok/s")
             if r:
                 rates[arm].append(rate)

@@ -58,10 +58,12 @@ of requests: a few steps at each size) may never measure a pair; one that has op
 BORROW_AFTER periods without its MEASURE ratios runs on the median of the nearest bucket
 that has them (the smaller batch on a tie), trials included, until its own ratios are in.
 (Alternating there for good, it drafted half of every ramp on the bundled tiny model,
-where drafting runs at 0.7x.) Now and then the other kind runs one period of the bucket as a trial,
-which gives two ratios (with the incumbent periods before and after it). One trial cannot
-change the decision, since a lucky period is common on a shared machine: when both its
-ratios disagree with the decision, a second trial runs at once, and if it agrees the two
+where drafting runs at 0.7x.)
+
+Now and then the other kind runs one period of the bucket as a trial, which gives two
+ratios (with the incumbent periods before and after it). One trial cannot change the
+decision, since a lucky period is common on a shared machine: when both its ratios
+disagree with the decision, a second trial runs at once, and if it agrees the two
 together (a majority of the KEEP ratios) change it, so noise must fool two trials in a
 row. Trials are spaced by what they cost: a period of the slower kind takes max(ratio,
 1/ratio) - 1 of a period more than the incumbent would have, so a trial comes every that /
@@ -73,10 +75,10 @@ time. Spaced wider still, at half this cost, a wrong decision that noise made ea
 longer: on a machine whose speed moves 12% from period to period, drafting 8% slower kept
 the bucket for a hundred periods and cost 3%.) So a workload that starts to accept drafts
 (or stops) is noticed within about 1,000 steps (2,000 when a second trial is due) where
-the gap was wide, sooner where it was narrow.
-The ratio a trial measures is the one that prices it: drafting's trials run on requests
-whose MTP cache has gaps (below) and include the step that switches, so they measure a
-little below drafting's steady rate and space themselves a little wider.
+the gap was wide, sooner where it was narrow. The ratio a trial measures is the one that
+prices it: drafting's trials run on requests whose MTP cache has gaps (below) and include
+the step that switches, so they measure a little below drafting's steady rate and space
+themselves a little wider.
 
 Whether a step drafts depends on batch sizes, timings and the tokens earlier steps
 emitted, never on a draft the step verifies, so the gate cannot bias the output
@@ -193,12 +195,7 @@ class DraftGate:
         if ratio is None:  # alternate the kinds, drafting first
             bucket.last_kind = not bucket.last_kind if bucket.last_kind is not None else True
             return _Period(bucket.last_kind, key, index=self.opened)
-        why = (
-            f"the median of the last {len(bucket.ratios)} adjacent pairs of periods"
-            if len(bucket.ratios) >= MEASURE
-            else "the nearest measured batch size's, this one having measured too few pairs"
-        )
-        best = self._best(bucket, ratio, requests, why)
+        best = self._best(bucket, ratio, requests)
         bucket.until_trial -= 1
         trial = bucket.until_trial <= 0
         if trial:
@@ -263,13 +260,18 @@ class DraftGate:
         """Whether `ratio` favours drafting: MARGIN faster, or not slower if it runs now."""
         return ratio >= (1.0 if bucket.incumbent else 1.0 + MARGIN)
 
-    def _best(self, bucket: _Bucket, ratio: float, requests: int, why: str) -> bool:
-        """The kind the median ratio (`why`: whose) favours; the bucket's trials start
-        counting when it first decides."""
+    def _best(self, bucket: _Bucket, ratio: float, requests: int) -> bool:
+        """The kind the median ratio (the bucket's own, or one it borrowed) favours; the
+        bucket's trials start counting when it first decides."""
         drafting = self._favours(bucket, ratio)
         if bucket.incumbent is None:
             bucket.until_trial = self._explore_every(ratio)
         if drafting != bucket.incumbent:
+            why = (
+                f"the median of the last {len(bucket.ratios)} adjacent pairs of periods"
+                if len(bucket.ratios) >= MEASURE
+                else "the nearest measured batch size's, this one having measured too few pairs"
+            )
             logger.info(
                 "speculative gate, batch %d: drafting %s (%.2fx plain decoding's tokens per "
                 "second, %s)",
