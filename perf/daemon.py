@@ -26,26 +26,64 @@ from perf.common import ROOT
 HTTP = httpx.Client()
 
 
-def free_port() -> int:
+# Ports for servers a test or a benchmark starts. A port the kernel picks (bind to 0) lies in
+# its ephemeral range, which every process on the host draws from, for its own bind(0)s and
+# for the local end of every connection it opens: between our closing the probe socket and
+# the server binding the port, another test's client could take it ("address already in
+# use"; seen under pytest-xdist). So ports come from below that range, where the kernel
+# hands out nothing, split into PORT_SLICES slices: one per pytest-xdist worker (gwN, and
+# any process it starts), or by pid elsewhere. Within a slice a process starts at an offset
+# its pid picks and never hands out a port twice.
+PORT_FLOOR = 10000
+PORT_SLICES = 16
+_handed: set[int] = set()
+
+
+def _port_slice() -> range:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    width = (low - PORT_FLOOR) // PORT_SLICES
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker[:2] == "gw" and worker[2:].isdigit() else os.getpid()
+    first = PORT_FLOOR + index % PORT_SLICES * width
+    return range(first, first + max(width, 0))
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port_range(n: int) -> int:
-    """A port p such that p .. p + n - 1 are all free now (for START_PORT + i layouts)."""
-    while True:
-        base, socks = free_port(), []
-        try:
-            for i in range(n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", base + i))
+    """A port p such that p .. p + n - 1 are free now and no other process of the host picks
+    them (for START_PORT + i layouts); see PORT_SLICES."""
+    ports = _port_slice()
+    if len(ports) < 4 * n:  # a host whose ephemeral range starts low: the kernel's picks
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                base = s.getsockname()[1]
+            if all(_bindable(base + i) for i in range(1, n)):
+                return base
+    offset = os.getpid() * 97
+    for i in range(len(ports)):
+        base = ports[(offset + i) % len(ports)]
+        run = range(base, base + n)
+        if run[-1] in ports and not _handed.intersection(run) and all(map(_bindable, run)):
+            _handed.update(run)
             return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
+    raise RuntimeError(f"no {n} free ports left in {ports} (this process has {len(_handed)})")
+
+
+def free_port() -> int:
+    """A loopback port free now that no other process of the host picks (see PORT_SLICES)."""
+    return free_port_range(1)
 
 
 def wait_healthy(

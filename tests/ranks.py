@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from perf.daemon import free_port
 from xllm_py.parallel.context import ParallelContext
 
 WORLD = 2
@@ -56,12 +56,6 @@ def _rank_main(
         raise
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(
     ep_size: int, work: Callable, out_dir: Path, world: int = WORLD, dp_attention: bool = False
 ) -> list:
@@ -69,7 +63,7 @@ def run_ranks(
     rank's result. `dp_attention`: the ranks' contexts are DP attention's (ep_size is then
     the world). A failing or hanging rank fails the test, and no process outlives it."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(
             target=_rank_main,
