@@ -33,8 +33,9 @@ HTTP = httpx.Client()
 # use"; seen under pytest-xdist). So ports come from below that range, where the kernel
 # hands out nothing, split into PORT_SLICES slices: one per pytest-xdist worker (gwN, and
 # any process it starts), or by pid elsewhere. Within a slice a process starts at an offset
-# its pid picks and never hands out a port twice.
-PORT_FLOOR = 10000
+# its pid picks and never hands out a port twice. The floor stays above Ray's worker ports
+# (10002-19999 by default), which a Ray cluster of the tests binds as its workers start.
+PORT_FLOOR = 20000
 PORT_SLICES = 16
 _handed: set[int] = set()
 
