@@ -8,7 +8,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from perf.common import ROOT
+from xllm_py.cluster.ports import free_port_run, unpicked_ports
 
 # One HTTP client for the launcher's requests and the tests' (its pool is thread-safe):
 # each httpx.get() or httpx.post() builds a client of its own, and with it an SSL context,
@@ -26,60 +26,29 @@ from perf.common import ROOT
 HTTP = httpx.Client()
 
 
-# Ports for servers a test or a benchmark starts. A port the kernel picks (bind to 0) lies in
-# its ephemeral range, which every process on the host draws from, for its own bind(0)s and
-# for the local end of every connection it opens: between our closing the probe socket and
-# the server binding the port, another test's client could take it ("address already in
-# use"; seen under pytest-xdist). So ports come from below that range, where the kernel
-# hands out nothing, split into PORT_SLICES slices: one per pytest-xdist worker (gwN, and
-# any process it starts), or by pid elsewhere. Within a slice a process starts at an offset
-# its pid picks and never hands out a port twice. The floor stays above Ray's worker ports
-# (10002-19999 by default), which a Ray cluster of the tests binds as its workers start.
-PORT_FLOOR = 20000
+# Ports for servers a test or a benchmark starts come from below the kernel's ephemeral
+# range (xllm_py/cluster/ports.py says why), split into PORT_SLICES slices: one per
+# pytest-xdist worker (gwN, and any process it starts), or by pid elsewhere. Within a slice
+# a process starts at an offset its pid picks and never hands out a port twice.
 PORT_SLICES = 16
 _handed: set[int] = set()
 
 
 def _port_slice() -> range:
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768  # Linux's default
-    width = (low - PORT_FLOOR) // PORT_SLICES
+    ports = unpicked_ports()
+    width = len(ports) // PORT_SLICES
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     index = int(worker[2:]) if worker[:2] == "gw" and worker[2:].isdigit() else os.getpid()
-    first = PORT_FLOOR + index % PORT_SLICES * width
-    return range(first, first + max(width, 0))
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    first = ports.start + index % PORT_SLICES * width
+    return range(first, first + width)
 
 
 def free_port_range(n: int) -> int:
-    """A port p such that p .. p + n - 1 are free now and no other process of the host picks
-    them (for START_PORT + i layouts); see PORT_SLICES."""
-    ports = _port_slice()
-    if len(ports) < 4 * n:  # a host whose ephemeral range starts low: the kernel's picks
-        while True:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                base = s.getsockname()[1]
-            if all(_bindable(base + i) for i in range(1, n)):
-                return base
-    offset = os.getpid() * 97
-    for i in range(len(ports)):
-        base = ports[(offset + i) % len(ports)]
-        run = range(base, base + n)
-        if run[-1] in ports and not _handed.intersection(run) and all(map(_bindable, run)):
-            _handed.update(run)
-            return base
-    raise RuntimeError(f"no {n} free ports left in {ports} (this process has {len(_handed)})")
+    """A loopback port p such that p .. p + n - 1 are free now and no other process of the
+    host picks them (for START_PORT + i layouts); see PORT_SLICES."""
+    base = free_port_run(n, _port_slice(), os.getpid() * 97, "127.0.0.1", _handed)
+    _handed.update(range(base, base + n))
+    return base
 
 
 def free_port() -> int:

@@ -14,4 +14,5 @@ master builds the engine core over these executors); models never import it.
     master.py            node 0's start-up: wait for workers, build the replicas
     worker_node.py       nodes 1..N-1: Worker service, registration, master watchdog
     ray_launch.py        `--launcher=ray`: one node process per Ray placement-group bundle
+    ports.py             free ports from below the kernel's ephemeral range
 """

@@ -19,7 +19,9 @@ What scripts/launch_cluster.sh does with shells and SSH, done with Ray:
    unchanged. Ray sets the bundle's device visible (CUDA_VISIBLE_DEVICES /
    ASCEND_RT_VISIBLE_DEVICES) and the node is told `--devices=cuda:0` (npu:0), the one
    device it sees. Workers listen on their host's address at a free port; the master's
-   coordination service on this host at the port of --master_node_addr (or a free one).
+   coordination service on this host at the port of --master_node_addr (or a free one
+   whose next port, torch.distributed's rendezvous, is free too). Free ports come from
+   below the kernel's ephemeral range (cluster/ports.py).
    Every line a node prints reaches this terminal prefixed with `[node i]`.
    A node's command line is the launcher's options (those not at their default) with
    its own rank, and never a secret: every node gets the same cluster token in its
@@ -48,11 +50,12 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+
+from xllm_py.cluster.ports import free_port_run, unpicked_ports
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +73,6 @@ def _die_with_parent_thread() -> None:  # runs in the child between fork and exe
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _free_port(host: str = "") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class _NodeProcess:
     """One node of the cluster, inside its placement-group bundle (a Ray actor)."""
 
@@ -90,8 +87,11 @@ class _NodeProcess:
 
         return ray.util.get_node_ip_address()
 
-    def free_port(self) -> int:
-        return _free_port()
+    def free_ports(self, n: int, taken: list[int]) -> int:
+        """A port p of this host with p .. p + n - 1 free now, none of them in `taken`,
+        from below the kernel's ephemeral range (cluster/ports.py says why)."""
+        ports = unpicked_ports()
+        return free_port_run(n, ports, secrets.randbelow(max(len(ports), 1)), "", set(taken))
 
     def visible_devices(self) -> dict[str, str]:
         """The device variables Ray set for this bundle."""
@@ -262,13 +262,21 @@ def launch(args) -> int:
                 opts["resources"] = {"NPU": 1}
             actors.append(remote.options(**opts).remote(i))
         ips = ray.get([a.address.remote() for a in actors])
+        handed: dict[str, list[int]] = {ip: [] for ip in ips}  # ports picked, per host
+
+        def pick(i: int, n: int) -> int:
+            port = ray.get(actors[i].free_ports.remote(n, handed[ips[i]]))
+            handed[ips[i]] += range(port, port + n)
+            return port
+
+        # the coordination service's port, and the next one for torch.distributed's store
         given = args.master_node_addr.rsplit(":", 1)[1] if args.master_node_addr else None
-        master_addr = f"{ips[0]}:{given or ray.get(actors[0].free_port.remote())}"
+        master_addr = f"{ips[0]}:{given or pick(0, 2)}"
         pids = []
         for i, a in enumerate(actors):
             words = node_argv(args, i, master_addr, device_type)
             if i:  # a worker's gRPC service: its host's address, a free port there
-                words += ["--host", ips[i], "--port", str(ray.get(a.free_port.remote()))]
+                words += ["--host", ips[i], "--port", str(pick(i, 1))]
             pids.append(ray.get(a.start.remote(words, node_env(args, i, token))))
             logger.info(
                 "node %d on %s (pid %d) %s",
