@@ -221,6 +221,24 @@ def _connect(address: str, nnodes: int, cpus_per_node: int):
     return True
 
 
+def _node_ports(args, actors, ips: list[str]) -> tuple[str, list[int]]:
+    """The master's coordination port (--master_node_addr's, or a free one whose next
+    port, torch.distributed's rendezvous, is free too) and each worker's gRPC port, each
+    picked by the actor on its host and never handed out twice on one host."""
+    import ray
+
+    handed: dict[str, list[int]] = {ip: [] for ip in ips}  # ports picked, per host
+
+    def pick(i: int, n: int) -> int:
+        port = ray.get(actors[i].free_ports.remote(n, handed[ips[i]]))
+        handed[ips[i]] += range(port, port + n)
+        return port
+
+    given = args.master_node_addr.rsplit(":", 1)[1] if args.master_node_addr else None
+    master = given or str(pick(0, 2))
+    return master, [pick(i, 1) for i in range(1, len(actors))]
+
+
 def launch(args) -> int:
     """Run the cluster described by `args` (EngineArgs) on Ray; the exit code."""
     try:
@@ -262,21 +280,13 @@ def launch(args) -> int:
                 opts["resources"] = {"NPU": 1}
             actors.append(remote.options(**opts).remote(i))
         ips = ray.get([a.address.remote() for a in actors])
-        handed: dict[str, list[int]] = {ip: [] for ip in ips}  # ports picked, per host
-
-        def pick(i: int, n: int) -> int:
-            port = ray.get(actors[i].free_ports.remote(n, handed[ips[i]]))
-            handed[ips[i]] += range(port, port + n)
-            return port
-
-        # the coordination service's port, and the next one for torch.distributed's store
-        given = args.master_node_addr.rsplit(":", 1)[1] if args.master_node_addr else None
-        master_addr = f"{ips[0]}:{given or pick(0, 2)}"
+        master_port, worker_ports = _node_ports(args, actors, ips)
+        master_addr = f"{ips[0]}:{master_port}"
         pids = []
         for i, a in enumerate(actors):
             words = node_argv(args, i, master_addr, device_type)
             if i:  # a worker's gRPC service: its host's address, a free port there
-                words += ["--host", ips[i], "--port", str(pick(i, 1))]
+                words += ["--host", ips[i], "--port", str(worker_ports[i - 1])]
             pids.append(ray.get(a.start.remote(words, node_env(args, i, token))))
             logger.info(
                 "node %d on %s (pid %d) %s",
