@@ -48,7 +48,8 @@ FLAGS = [
     ("--input-len", int, 256, "prompt tokens (random ids)"),
     ("--output-len", int, [64, 192], "output tokens: N, or LOW HIGH drawn per request"),
     ("--rounds", int, 5, "counted rounds (after one warm-up round)"),
-    ("--draft-vocab-size", int, 0, "--speculative_draft_vocab_size of the MTP engines (0: whole)"),
+    ("--draft-vocab-size", str, "auto",
+     "--speculative_draft_vocab_size of the MTP engines (0: whole; auto: the engine's default)"),
     ("--graph", bool, False, "graph mode, buckets 1, 2, 4, 8 (compiles at start-up: minutes)"),
     ("--dtype", str, "float32", "weights and activations"),
     ("--interleave", ("round", "step"), "round",
@@ -71,9 +72,9 @@ def engines(args) -> dict:
     from xllm_py import LLM
 
     common = engine_options(args)
-    mtp = dict(common, num_speculative_tokens=args.k)
-    if args.draft_vocab_size:
-        mtp["speculative_draft_vocab_size"] = args.draft_vocab_size
+    mtp = dict(
+        common, num_speculative_tokens=args.k, speculative_draft_vocab_size=args.draft_vocab_size
+    )
     return {
         "plain": LLM(**common),
         "auto": LLM(**mtp),

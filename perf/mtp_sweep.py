@@ -42,6 +42,7 @@ from perf import bench_serving, peers, step_cost
 from perf.common import RESULTS, command, machine, md_table, parser
 from perf.daemon import Daemon, flag_value, warm_up
 from xllm_py.assets import bundled_model
+from xllm_py.speculative.hot_vocab import auto_draft_vocab_size, token_map_path
 
 PRESETS = {
     "full": {"input_len": 2500, "output_len": 1500, "prompts": lambda c: 80},
@@ -138,6 +139,19 @@ def table(rows: list[dict]) -> str:
         for r in rows]) + "\n"  # fmt: skip
 
 
+def draft_vocab(flags: list[str], model: str) -> int:
+    """The hot tokens our servers' drafts read (--speculative_draft_vocab_size in `flags`,
+    "auto" sized from the token map as the engine sizes it; 0: the whole vocabulary)."""
+    value = flag_value(flags, "speculative_draft_vocab_size") or "auto"
+    if value != "auto":
+        return int(value)
+    path = token_map_path(
+        flag_value(flags, "speculative_token_map"), flag_value(flags, "draft_model"), model
+    )
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    return auto_draft_vocab_size(path, vocab)
+
+
 def add_ceiling(args, rows: list[dict], input_len: int, output_len: int) -> dict | None:
     """Each MTP row's `ceiling` (perf/step_cost.py) at its k and measured acceptance length,
     the KV read over input_len + output_len / 2 tokens; routing statistics from
@@ -151,8 +165,7 @@ def add_ceiling(args, rows: list[dict], input_len: int, output_len: int) -> dict
         model = args.model or bundled_model()
         flags = shlex.split(args.server_args)
         draft = flag_value(flags, "draft_model")
-        vocab = int(flag_value(flags, "speculative_draft_vocab_size") or 0)
-        bm = step_cost.byte_model(model, draft_model=draft, draft_vocab=vocab)
+        bm = step_cost.byte_model(model, draft_model=draft, draft_vocab=draft_vocab(flags, model))
         if args.ceiling_routing:
             routing = json.loads(args.ceiling_routing.read_text())["routing"]
         else:

@@ -338,6 +338,39 @@ def test_export_refuses_to_overwrite_without_force(tmp_path, fp8_ckpt):
         assert f.get_tensor("model.enorm.weight").dtype == torch.bfloat16  # the default --dtype
 
 
+def test_auto_draft_vocab_sizes_the_hot_head_from_the_token_map(tmp_path):
+    """--speculative_draft_vocab_size auto, the default: a token map beside the checkpoint
+    gives the draft a head over the fewest hot tokens that cover 99.5% of its counts,
+    rounded up to 64, at least 512 or a quarter of the vocabulary; without a map, with 0,
+    or where the cover is most of the vocabulary (a flat map) the draft reads the whole
+    vocabulary. A value that is neither is refused by name."""
+    from xllm_py.speculative.hot_vocab import TOKEN_MAP_FILE, save_token_map
+
+    path = make_random_checkpoint(tmp_path / "ckpt", seed=6)  # vocab 320
+
+    def hot(**kw):
+        llm = LLM(model=str(path), dtype="float32", num_speculative_tokens=1, **kw)
+        head = llm.engine.core.executor.worker.runner.proposer.hot
+        return None if head is None else head.token_ids.tolist()
+
+    assert hot() is None  # no token map
+    order = torch.arange(319, -1, -1)  # most frequent first: ids 319, 318, ...
+    counts = torch.cat([torch.full((70,), 100), torch.ones(20), torch.zeros(230)])
+    save_token_map(path / TOKEN_MAP_FILE, order, counts)  # 70 tokens: 99.7% of 7,020
+    assert hot() == order[:128].tolist()
+    assert hot(speculative_draft_vocab_size="auto") == order[:128].tolist()
+    assert hot(speculative_draft_vocab_size=0) is None
+    assert hot(speculative_draft_vocab_size="96") == order[:96].tolist()
+    counts = torch.cat([torch.full((10,), 100), torch.zeros(310)])  # 10 tokens: all of them
+    save_token_map(path / TOKEN_MAP_FILE, order, counts)
+    assert hot() == order[:80].tolist()  # at least a quarter of the vocabulary (< 512)
+    save_token_map(path / TOKEN_MAP_FILE, order, torch.ones(320))  # flat: 319 tokens > 320 / 2
+    assert hot() is None
+    for bad in ("most", "-1", 1.5):
+        with pytest.raises(ValueError, match=f"--speculative_draft_vocab_size={bad}: expected"):
+            LLM(model=str(path), speculative_draft_vocab_size=bad)
+
+
 def test_checkpoint_without_mtp_layer_cannot_give_a_draft(tmp_path):
     from xllm_py.worker.worker import load_draft_model
 

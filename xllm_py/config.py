@@ -643,9 +643,10 @@ class SpecConfig:
     # target's device (xLLM's --draft_devices); None = the target's.
     draft_device: str | None = None
     # Drafts from the N most frequent target tokens only (speculative/hot_vocab.py); 0 = the whole
+    # vocabulary; None = "auto": sized from the token map when there is one, else the whole
     # vocabulary. The token map: speculative_token_map, else draft_vocab.safetensors in the
     # draft's (or the model's) directory.
-    draft_vocab_size: int = 0
+    draft_vocab_size: int | None = None
     token_map: str | None = None
     # How sampled requests draft (worker/draft_sampler.py): "sampled" from the draft's
     # processed distribution, or "greedy" (its argmax). Greedy requests always take the argmax.
@@ -696,7 +697,7 @@ class SpecConfig:
                     f"speculative_confidence={self.confidence!r}: expected 'auto', 'off' or a "
                     "number in (0, 1)"
                 )
-        if self.draft_vocab_size < 0:
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
             raise ValueError(
                 f"speculative_draft_vocab_size={self.draft_vocab_size} must be >= 0 (0: whole)"
             )

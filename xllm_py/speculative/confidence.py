@@ -101,11 +101,13 @@ class ConfidencePolicy:
         self.threshold = threshold  # a number, or "auto"
         self.judged = [[0.0] * BINS for _ in range(max_k)]
         self.accepted = [[0.0] * BINS for _ in range(max_k)]
+        self.undecayed = 0  # steps whose DECAY the counts still owe (steps without drafts)
         self.cost = _LinearCost()
         self.gate = DraftGate() if threshold == "auto" else None
 
     def chance(self, j: int, score: float) -> float:
         """a_j(score): calibrated chance that draft j is accepted given the ones before."""
+        self._decay()
         b = _bin(score)
         return (self.accepted[j][b] + PRIOR) / (self.judged[j][b] + PRIOR)
 
@@ -159,17 +161,28 @@ class ConfidencePolicy:
     # ---- what the step reports ------------------------------------------------------------
 
     def observe_acceptance(self, results: list[tuple[list[float], int]]) -> None:
-        """One step's (scores of the drafts verified, drafts accepted) per request."""
-        for j in range(self.max_k):
-            for b in range(BINS):
-                self.judged[j][b] *= DECAY
-                self.accepted[j][b] *= DECAY
+        """One step's (scores of the drafts verified, drafts accepted) per request. A step
+        without drafts only counts: its decay is applied with the next one that has them
+        (or when a chance is read), one multiplication for the lot."""
+        self.undecayed += 1
+        if not results:
+            return
+        self._decay()
         for scores, accepted in results:
             for j in range(min(len(scores), accepted + 1, self.max_k)):
                 b = _bin(scores[j])
                 self.judged[j][b] += 1.0
                 if j < accepted:
                     self.accepted[j][b] += 1.0
+
+    def _decay(self) -> None:
+        if not self.undecayed:
+            return
+        f = DECAY**self.undecayed
+        self.undecayed = 0
+        for j in range(self.max_k):
+            self.judged[j] = [c * f for c in self.judged[j]]
+            self.accepted[j] = [c * f for c in self.accepted[j]]
 
     def observe_prompt_passes(self, drafted: bool, tokens: float, seconds: float) -> None:
         """Any step: whether it drafted, the tokens it emitted, and the seconds its MTP

@@ -33,7 +33,12 @@ from xllm_py.ops.backends import install as install_kernels
 from xllm_py.ops.backends import select_kernels
 from xllm_py.ops.fp8_gemm import fp8_gemm_available
 from xllm_py.parallel.context import SINGLE, ParallelContext
-from xllm_py.speculative.hot_vocab import TOKEN_MAP_FILE, HotVocabHead, load_token_map
+from xllm_py.speculative.hot_vocab import (
+    HotVocabHead,
+    auto_draft_vocab_size,
+    load_token_map,
+    token_map_path,
+)
 from xllm_py.speculative.mtp_proposer import MTPProposer, graph_q_lens
 from xllm_py.weights.fp4 import fp4_resident
 from xllm_py.weights.fp8 import Fp8Config, fp8_resident
@@ -484,15 +489,17 @@ class Worker:
         )  # fmt: skip
 
     def _hot_vocab_head(self) -> HotVocabHead | None:
-        """--speculative_draft_vocab_size: the draft's head over the hot tokens only."""
-        spec = self.config.spec
-        if not spec.draft_vocab_size:
+        """--speculative_draft_vocab_size: the draft's head over the hot tokens only (None:
+        the whole vocabulary); "auto" sizes it from the token map, when there is one."""
+        spec, vocab = self.config.spec, self.config.model.vocab_size
+        path = token_map_path(spec.token_map, spec.draft_model, self.config.model.path)
+        size = spec.draft_vocab_size
+        if size is None:  # auto (never for DeepSeek-V4, whose draft has no hot head)
+            size = 0 if self.config.model.is_v4 else auto_draft_vocab_size(path, vocab)
+        if not size:
             return None
-        default = Path(spec.draft_model or self.config.model.path) / TOKEN_MAP_FILE
-        ids = load_token_map(
-            spec.token_map or default, spec.draft_vocab_size, self.config.model.vocab_size
-        )
-        logger.info("MTP drafts from the %d most frequent target tokens", len(ids))
+        ids = load_token_map(path, size, vocab)
+        logger.info("MTP drafts from the %d most frequent target tokens (%s)", len(ids), path)
         return HotVocabHead(self.model.lm_head, ids, self.parallel)
 
     def _graph_runner(self, fn, caches, num_blocks: int, q_lens, **kw) -> GraphRunner:
