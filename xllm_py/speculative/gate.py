@@ -4,9 +4,10 @@ A step that drafts runs the MTP passes for every decoding request and verifies t
 drafts the step before proposed (as many as speculative/confidence.py's plan keeps); a
 step that does not is a plain decoding step: the MTP passes are skipped, so the next step
 has nothing to verify. Which one emits more tokens per second depends on the model (on
-a small model an MTP pass, with its full-vocabulary head, costs a large share of a target
-step; on DeepSeek-V3 about a sixtieth), the device, the batch size and the text, so the
-gate measures both, as a user would: tokens emitted per second.
+a small model an MTP pass costs a large share of a target step, and verifying 1 + k rows
+per request costs more than decoding one; on DeepSeek-V3 an MTP pass is about a
+sixtieth), the device, the batch size and the text, so the gate measures both, as a user
+would: tokens emitted per second.
 
 The gate decides for a PERIOD of steps at a time, not step by step: a decision per step
 follows the batch size from one step to the next (a request finishing, the next one
