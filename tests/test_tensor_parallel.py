@@ -201,6 +201,45 @@ def test_two_ranks_build_the_whole_hot_vocabulary_head(mtp_ckpt, single, jobs, t
         assert tokens == one[0] and torch.equal(ids, one[2]) and torch.equal(weight, one[1])
 
 
+def _auto_hot_vocab_on_rank(path, maps, parallel: ParallelContext):
+    """The error building an engine with "auto" hot vocabulary on this rank gives (None:
+    none); each rank reads its own token map, `maps[rank]`."""
+    use_parallel_workers(parallel)
+    try:
+        LLM(
+            model=str(path),
+            dtype="float32",
+            block_size=16,
+            max_cache_size=4 << 20,
+            num_speculative_tokens=1,
+            speculative_token_map=str(maps[parallel.tp_rank]),
+        )
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_find_different_token_maps_refuse_auto_together(mtp_ckpt, tmp_path):
+    """--speculative_draft_vocab_size auto sizes the head from each node's own token map:
+    a rank with the map (128 hot tokens) and one without (the whole vocabulary) must not
+    build the head on one side only (its all-reduce would meet another collective). Both
+    ranks raise, naming what each found; with the same map on both they agree."""
+    from xllm_py.speculative.hot_vocab import save_token_map
+
+    token_map = tmp_path / "map.safetensors"
+    counts = torch.cat([torch.full((70,), 100), torch.ones(20), torch.zeros(230)])
+    save_token_map(token_map, torch.arange(320), counts)
+    missing = tmp_path / "none.safetensors"
+    (tmp_path / "differ").mkdir()
+    (tmp_path / "same").mkdir()
+    work = functools.partial(_auto_hot_vocab_on_rank, mtp_ckpt, [token_map, missing])
+    errors = run_ranks(1, work, tmp_path / "differ")
+    assert "this rank: 128 hot tokens" in errors[0] and "this rank: 0 hot tokens" in errors[1]
+    assert all("different token maps" in e for e in errors)
+    work = functools.partial(_auto_hot_vocab_on_rank, mtp_ckpt, [token_map, token_map])
+    assert run_ranks(1, work, tmp_path / "same") == [None, None]
+
+
 # ---- shards without processes (group None: shapes and loading only) ----
 
 

@@ -496,11 +496,27 @@ class Worker:
         size = spec.draft_vocab_size
         if size is None:  # auto (never for DeepSeek-V4, whose draft has no hot head)
             size = 0 if self.config.model.is_v4 else auto_draft_vocab_size(path, vocab)
+            self._check_ranks_agree(size, path)
         if not size:
             return None
         ids = load_token_map(path, size, vocab)
         logger.info("MTP drafts from the %d most frequent target tokens (%s)", len(ids), path)
         return HotVocabHead(self.model.lm_head, ids, self.parallel)
+
+    def _check_ranks_agree(self, size: int, path: Path) -> None:
+        """With "auto" each node sizes the hot head from its own copy of the token map: a
+        replica whose ranks found different maps (or none on some) would build the head on
+        some ranks only and pair its all-reduce with another collective. So the ranks check
+        together that their sizes are equal (n x the sum of squares = the square of the
+        sum), and all of them refuse if not."""
+        x = torch.tensor([size, size * size], dtype=torch.float64, device=self.device)
+        total, squares = self.parallel.all_reduce(x).tolist()
+        if total * total != self.parallel.tp_size * squares:
+            raise ValueError(
+                f"speculative_draft_vocab_size=auto: this replica's ranks found different "
+                f"token maps (this rank: {size} hot tokens from {path}); give every node the "
+                "same token map, or set speculative_draft_vocab_size"
+            )
 
     def _graph_runner(self, fn, caches, num_blocks: int, q_lens, **kw) -> GraphRunner:
         """Graphs of `fn`'s passes over this worker's cache; the scratch block for padding
