@@ -42,7 +42,8 @@ from perf import bench_serving, peers, step_cost
 from perf.common import RESULTS, command, machine, md_table, parser
 from perf.daemon import Daemon, flag_value, warm_up
 from xllm_py.assets import bundled_model
-from xllm_py.speculative.hot_vocab import auto_draft_vocab_size, token_map_path
+from xllm_py.config import ModelConfig
+from xllm_py.speculative.hot_vocab import draft_vocab_size, token_map_path
 
 PRESETS = {
     "full": {"input_len": 2500, "output_len": 1500, "prompts": lambda c: 80},
@@ -143,13 +144,12 @@ def draft_vocab(flags: list[str], model: str) -> int:
     """The hot tokens our servers' drafts read (--speculative_draft_vocab_size in `flags`,
     "auto" sized from the token map as the engine sizes it; 0: the whole vocabulary)."""
     value = flag_value(flags, "speculative_draft_vocab_size") or "auto"
-    if value != "auto":
-        return int(value)
     path = token_map_path(
         flag_value(flags, "speculative_token_map"), flag_value(flags, "draft_model"), model
     )
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    return auto_draft_vocab_size(path, vocab)
+    cfg = ModelConfig.from_pretrained(model)
+    size = None if value == "auto" else int(value)
+    return draft_vocab_size(size, path, cfg.vocab_size, cfg.is_v4)
 
 
 def add_ceiling(args, rows: list[dict], input_len: int, output_len: int) -> dict | None:

@@ -41,6 +41,7 @@ __all__ = [
     "TOKEN_MAP_FILE",
     "HotVocabHead",
     "auto_draft_vocab_size",
+    "draft_vocab_size",
     "load_token_map",
     "save_token_map",
     "token_map_path",
@@ -74,6 +75,15 @@ def auto_draft_vocab_size(path: str | Path, vocab_size: int) -> int:
     size = max(-(-covered // AUTO_MULTIPLE) * AUTO_MULTIPLE, min(AUTO_MIN, vocab_size // 4))
     size = min(size, len(counts))
     return size if size <= vocab_size // 2 else 0
+
+
+def draft_vocab_size(size: int | None, path: str | Path, vocab_size: int, is_v4: bool) -> int:
+    """The hot tokens the draft reads (0: the whole vocabulary): --speculative_draft_vocab_size
+    `size` as given, or for None ("auto") sized from the token map at `path`; never for
+    DeepSeek-V4, whose draft has no hot head."""
+    if size is not None:
+        return size
+    return 0 if is_v4 else auto_draft_vocab_size(path, vocab_size)
 
 
 def load_token_map(path: str | Path, size: int, vocab_size: int) -> torch.Tensor:

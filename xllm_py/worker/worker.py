@@ -35,7 +35,7 @@ from xllm_py.ops.fp8_gemm import fp8_gemm_available
 from xllm_py.parallel.context import SINGLE, ParallelContext
 from xllm_py.speculative.hot_vocab import (
     HotVocabHead,
-    auto_draft_vocab_size,
+    draft_vocab_size,
     load_token_map,
     token_map_path,
 )
@@ -491,15 +491,14 @@ class Worker:
     def _hot_vocab_head(self) -> HotVocabHead | None:
         """--speculative_draft_vocab_size: the draft's head over the hot tokens only (None:
         the whole vocabulary); "auto" sizes it from the token map, when there is one."""
-        spec, vocab = self.config.spec, self.config.model.vocab_size
-        path = token_map_path(spec.token_map, spec.draft_model, self.config.model.path)
-        size = spec.draft_vocab_size
-        if size is None:  # auto (never for DeepSeek-V4, whose draft has no hot head)
-            size = 0 if self.config.model.is_v4 else auto_draft_vocab_size(path, vocab)
+        spec, model = self.config.spec, self.config.model
+        path = token_map_path(spec.token_map, spec.draft_model, model.path)
+        size = draft_vocab_size(spec.draft_vocab_size, path, model.vocab_size, model.is_v4)
+        if spec.draft_vocab_size is None:  # auto: each node read its own map
             self._check_ranks_agree(size, path)
         if not size:
             return None
-        ids = load_token_map(path, size, vocab)
+        ids = load_token_map(path, size, model.vocab_size)
         logger.info("MTP drafts from the %d most frequent target tokens (%s)", len(ids), path)
         return HotVocabHead(self.model.lm_head, ids, self.parallel)
 
